@@ -1,0 +1,90 @@
+"""RunSpec: the one typed description of a training run, shared by the CLI, the Prefect flows and the trainer.
+
+Pydantic validates it, so a bad value is rejected when a Prefect run is created (server-side JSON schema) and
+when the CLI parses it, with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Method = Literal["grpo", "sage", "sage-light", "dapo-filter", "ada-seq", "ada-est", "sage-light+ada-seq"]
+HintSourceName = Literal["online", "fixed", "teacher"]
+Weighting = Literal["none", "linear", "log", "arcsin-sqrt"]
+
+
+class RunSpec(BaseModel):
+    """Everything that defines a run. Defaults are the offline tiny-cpu preset."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # what to train
+    model: str = Field("tiny", description="'tiny' (built offline), a local path, an HF id, or a .gguf file path")
+    gguf_file: str | None = Field(None, description="GGUF file name inside `model` (transformers gguf_file)")
+    data: str = Field("synthetic", description="'synthetic', a .parquet/.jsonl file, or an HF dataset name")
+    data_split: str = "train"
+    num_prompts: int = Field(64, ge=1, description="synthetic task size / max rows taken from a file")
+    difficulty: Literal["mixed", "easy", "hard"] = "mixed"
+
+    # the algorithm
+    method: Method = "sage"
+    hint_source: HintSourceName = "online"
+    teacher: str | None = Field(None, description="teacher hints: a model path, an http(s) OpenAI-compatible URL, "
+                                                  "or a .jsonl/.parquet file of precomputed hints")
+    teacher_model: str | None = Field(None, description="model name sent to an OpenAI-compatible teacher endpoint")
+    hint_max_tokens: int = Field(48, ge=4)
+    hint_retries: int = Field(2, ge=0, description="extra hint samples when a hint leaks or is empty")
+    light_min: float = Field(0.1, ge=0.0, le=1.0, description="SAGE-LIGHT: raise level when accuracy <= this")
+    light_max: float = Field(0.35, ge=0.0, le=1.0, description="SAGE-LIGHT: lower level when accuracy > this")
+    weighting: Weighting = Field("none", description="prompt weight w(p)=f'(p) applied to advantages")
+    max_rounds: int = Field(4, ge=1, description="dapo-filter / ada-seq: sampling rounds cap")
+
+    # GRPO / optimisation
+    num_generations: int = Field(8, ge=2, description="G, rollouts per prompt")
+    prompts_per_step: int = Field(8, ge=1)
+    max_steps: int = Field(20, ge=1)
+    learning_rate: float = Field(5e-4, gt=0.0)
+    max_prompt_length: int | None = None
+    max_completion_length: int = Field(40, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    epsilon: float = 0.2
+    epsilon_high: float = 0.28
+    beta: float = 0.0
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    seed: int = 0
+    save_steps: int = Field(10, ge=1)
+    gradient_checkpointing: bool = False
+    bf16: bool | None = Field(None, description="None: on for CUDA, off on CPU")
+
+    # generation back-end
+    use_vllm: bool = False
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
+    vllm_server_base_url: str | None = None
+
+    # evaluation (no hint)
+    eval_k: int = Field(4, ge=1)
+    eval_num_prompts: int = Field(32, ge=1)
+    eval_temperature: float = 0.6
+    eval_top_p: float = 0.95
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunSpec":
+        if self.light_min > self.light_max:
+            raise ValueError(f"light_min ({self.light_min}) must be <= light_max ({self.light_max})")
+        if self.hint_source == "teacher" and not self.teacher and self.method in ("sage", "sage-light",
+                                                                                 "sage-light+ada-seq"):
+            raise ValueError("hint_source='teacher' needs `teacher` (model path, endpoint URL or hints file)")
+        return self
+
+    def key(self) -> str:
+        """A stable hash of the spec, used for caching and for finding the MLflow run of a spec."""
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def uses_hints(self) -> bool:
+        return self.method in ("sage", "sage-light", "sage-light+ada-seq")
