@@ -1,0 +1,594 @@
+"""MLflow tracking for SAGE runs: URIs, experiments, runs, `sage.*` params, and a Trainer callback.
+
+Layout (docs/architecture.md, "MLflow layout"):
+- tracking URI: `MLFLOW_TRACKING_URI`, else `sqlite:///<SAGE_HOME>/mlflow.db` (absolute path, so every process,
+  whatever its working directory, writes the same store). `SAGE_HOME` defaults to `<repo>/.sage`.
+- experiments are created with an explicit artifact location `<SAGE_HOME>/mlartifacts/<name>` (file URI) when the
+  store is local, so the dashboard and the MLflow UI find artifacts without a server.
+- run tags `sage.kind`, `sage.method`, `sage.hint_source`, `sage.model`, `sage.spec_key`, `git.commit`,
+  `prefect.flow_run_id`; params `sage.<field>` for every RunSpec field; `spec.json` artifact.
+- `MlflowTrackingCallback` logs the Trainer's numeric logs as metrics (step = global_step), uploads the per-prompt
+  tracker files `tracker/step_*.parquet` (each once) and, at the end, the final checkpoint under `checkpoint/`.
+
+Runs are addressed by id through `MlflowClient`, so logging works from any thread (Prefect tasks) and from the
+process `accelerate launch` starts. A run is "complete" when its status is FINISHED and its tag `sage.complete`
+is `true` (set by `finish_run`); a crashed run keeps its id in `<output_dir>/mlflow_run_id` and is resumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import numbers
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from transformers import TrainerCallback
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+    from mlflow.entities import Run
+
+    from .spec import RunSpec
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_EXPERIMENT = "sage"
+RUN_ID_FILE = "mlflow_run_id"
+COMPLETE_TAG = "sage.complete"
+EVAL_ARTIFACT = "eval/eval.parquet"
+EVAL_COLUMNS = ["benchmark", "when", "k", "avg_at_k", "pass_at_k", "n_prompts"]
+# checkpoint files that are training state, not the model: never uploaded under checkpoint/
+_CHECKPOINT_SKIP = re.compile(r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state.*\.pth|training_args\.bin)$")
+_TRACKER_FILE = re.compile(r"^step_\d+\.parquet$")
+_METRIC_BAD_CHARS = re.compile(r"[^0-9A-Za-z_\-\.\ :/]")
+
+
+# ----------------------------------------------------------------------------------------------- locations
+def sage_home() -> Path:
+    """`SAGE_HOME` (absolute), default `<repo>/.sage`; created on first use."""
+    home = Path(os.environ.get("SAGE_HOME") or REPO_ROOT / ".sage").expanduser().resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def tracking_uri() -> str:
+    """`MLFLOW_TRACKING_URI` if set, else the absolute sqlite store `<SAGE_HOME>/mlflow.db`."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    return f"sqlite:///{sage_home() / 'mlflow.db'}"  # sqlite:////abs/path: four slashes = absolute
+
+
+def artifact_root() -> Path:
+    return sage_home() / "mlartifacts"
+
+
+def is_local_store(uri: str | None = None) -> bool:
+    """True when the tracking store is a database or path (not an MLflow server), so we choose artifact paths."""
+    uri = uri or tracking_uri()
+    return not re.match(r"^(https?|databricks|uc)(:|$)", uri)
+
+
+def configure() -> str:
+    """Point the fluent MLflow API at `tracking_uri()`; returns the URI."""
+    import mlflow
+
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
+def client():
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri())
+
+
+def _path_safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "default"
+
+
+def get_or_create_experiment(name: str = DEFAULT_EXPERIMENT) -> str:
+    """The id of experiment `name`, created (artifact location `<SAGE_HOME>/mlartifacts/<name>`) if missing."""
+    from mlflow.exceptions import MlflowException
+
+    c = client()
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            c.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    location = (artifact_root() / _path_safe(name)).as_uri() if is_local_store() else None
+    try:
+        return c.create_experiment(name, artifact_location=location)
+    except MlflowException:  # created concurrently by another process
+        exp = c.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+# ----------------------------------------------------------------------------------------------- tags/params
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def prefect_flow_run_id() -> str | None:
+    """The id of the Prefect flow run we are in (only looked up when prefect is already imported)."""
+    if "prefect" not in sys.modules:
+        return os.environ.get("PREFECT__FLOW_RUN_ID")
+    try:
+        from prefect.runtime import flow_run
+
+        return flow_run.get_id()
+    except Exception:  # pragma: no cover - never let tracking break a run
+        return None
+
+
+def spec_params(spec: RunSpec) -> dict[str, str]:
+    """`sage.<field>` -> value (as MLflow stores it) for every RunSpec field."""
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+    return {f"sage.{k}": str(v)[:MAX_PARAM_VAL_LENGTH] for k, v in spec.model_dump().items()}
+
+
+def run_tags(spec: RunSpec, kind: str, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
+    tags = {
+        "sage.kind": kind,
+        "sage.method": spec.method,
+        "sage.hint_source": spec.hint_source if spec.uses_hints else "none",
+        "sage.model": spec.model,
+        "sage.spec_key": spec.key(),
+        "git.commit": git_commit(),
+    }
+    frid = prefect_flow_run_id()
+    if frid:
+        tags["prefect.flow_run_id"] = frid
+    tags.update({k: str(v) for k, v in (extra or {}).items() if v is not None})
+    return tags
+
+
+# ----------------------------------------------------------------------------------------------- runs
+def open_run(spec: RunSpec, kind: str, experiment: str = DEFAULT_EXPERIMENT, run_name: str | None = None,
+             parent_run_id: str | None = None, run_id: str | None = None,
+             tags: Mapping[str, Any] | None = None) -> str:
+    """Create a run (tags, `sage.*` params, spec.json), or reopen `run_id` (status RUNNING again). Returns its id.
+
+    Nothing is made "active" in the fluent API: use the returned id (or `start_run` for the fluent form).
+    """
+    from mlflow.entities import Param, RunTag
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import MAX_PARAMS_TAGS_PER_BATCH
+
+    c = client()
+    if run_id:
+        try:
+            run = c.get_run(run_id)
+        except MlflowException:
+            run = None
+        if run is not None and run.info.lifecycle_stage != "deleted":
+            c.update_run(run_id, status="RUNNING")
+            frid = prefect_flow_run_id()
+            if frid:
+                c.set_tag(run_id, "prefect.flow_run_id", frid)
+            c.set_tag(run_id, "sage.resumed", str(int(run.data.tags.get("sage.resumed", "0")) + 1))
+            return run_id
+        log.warning("MLflow run %s not found in %s; starting a new run", run_id, tracking_uri())
+
+    exp_id = get_or_create_experiment(experiment)
+    all_tags = run_tags(spec, kind, tags)
+    if parent_run_id:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    if run_name:
+        all_tags["mlflow.runName"] = run_name
+    all_tags.setdefault("mlflow.source.git.commit", all_tags["git.commit"])
+    run = c.create_run(exp_id, run_name=run_name, tags=all_tags)
+    rid = run.info.run_id
+    params = [Param(k, v) for k, v in spec_params(spec).items()]
+    for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
+        c.log_batch(rid, params=params[i:i + MAX_PARAMS_TAGS_PER_BATCH], tags=[] if i else [RunTag(COMPLETE_TAG,
+                                                                                               "false")])
+    c.log_dict(rid, spec.model_dump(), "spec.json")
+    return rid
+
+
+def finish_run(run_id: str, status: str = "FINISHED", complete: bool | None = None) -> None:
+    """Terminate a run; `complete` (default: status == FINISHED) marks it done so it is skipped on re-runs."""
+    c = client()
+    if complete is None:
+        complete = status == "FINISHED"
+    c.set_tag(run_id, COMPLETE_TAG, "true" if complete else "false")
+    c.set_terminated(run_id, status=status)
+
+
+@contextlib.contextmanager
+def start_run(spec: RunSpec, kind: str, experiment: str = DEFAULT_EXPERIMENT, run_name: str | None = None,
+              parent_run_id: str | None = None, run_id: str | None = None,
+              tags: Mapping[str, Any] | None = None) -> Iterator[Run]:
+    """Context manager: create (or resume `run_id`) a run and make it the fluent active run.
+
+    Yields the `mlflow.entities.Run`. On exit the run is FINISHED (and marked complete), or FAILED on an
+    exception (KILLED on KeyboardInterrupt) and can be resumed by id.
+    """
+    import mlflow
+
+    configure()
+    rid = open_run(spec, kind, experiment, run_name, parent_run_id, run_id, tags)
+    active = mlflow.active_run()
+    mlflow.start_run(run_id=rid, nested=active is not None)
+    status = "FINISHED"
+    try:
+        yield client().get_run(rid)
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    except BaseException:
+        status = "FAILED"
+        raise
+    finally:
+        run = mlflow.active_run()
+        if run is not None and run.info.run_id == rid:
+            mlflow.end_run(status=status)
+        client().set_tag(rid, COMPLETE_TAG, "true" if status == "FINISHED" else "false")
+
+
+def active_run_id(run_id: str | None = None) -> str:
+    if run_id:
+        return run_id
+    import mlflow
+
+    run = mlflow.active_run()
+    if run is None:
+        raise RuntimeError("no MLflow run id given and no active run")
+    return run.info.run_id
+
+
+def read_run_id(output_dir: str | Path) -> str | None:
+    p = Path(output_dir) / RUN_ID_FILE
+    if p.is_file():
+        rid = p.read_text().strip()
+        return rid or None
+    return None
+
+
+def write_run_id(output_dir: str | Path, run_id: str) -> None:
+    p = Path(output_dir)
+    p.mkdir(parents=True, exist_ok=True)
+    tmp = p / (RUN_ID_FILE + ".tmp")
+    tmp.write_text(run_id + "\n")
+    tmp.replace(p / RUN_ID_FILE)
+
+
+def resume_or_create_run(spec: RunSpec, kind: str, output_dir: str | Path, experiment: str = DEFAULT_EXPERIMENT,
+                         run_name: str | None = None, parent_run_id: str | None = None,
+                         tags: Mapping[str, Any] | None = None) -> tuple[str, bool]:
+    """The run recorded in `<output_dir>/mlflow_run_id` reopened (after a crash), or a new one recorded there.
+
+    Returns (run_id, resumed).
+    """
+    previous = read_run_id(output_dir)
+    rid = open_run(spec, kind, experiment, run_name, parent_run_id, run_id=previous, tags=tags)
+    if rid != previous:
+        write_run_id(output_dir, rid)
+    return rid, rid == previous
+
+
+def is_complete(run: Run) -> bool:
+    return run.info.status == "FINISHED" and run.data.tags.get(COMPLETE_TAG) == "true"
+
+
+def find_runs(experiment: str = DEFAULT_EXPERIMENT, *, spec_key: str | None = None, kind: str | None = None,
+              parent_run_id: str | None = None, complete: bool | None = None,
+              extra_filter: str | None = None) -> list[Run]:
+    """Runs of `experiment` matching the given tags, newest first."""
+    c = client()
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    clauses = []
+    if spec_key:
+        clauses.append(f"tags.`sage.spec_key` = '{spec_key}'")
+    if kind:
+        clauses.append(f"tags.`sage.kind` = '{kind}'")
+    if parent_run_id:
+        clauses.append(f"tags.`mlflow.parentRunId` = '{parent_run_id}'")
+    if complete:
+        clauses.append(f"tags.`{COMPLETE_TAG}` = 'true' and attributes.status = 'FINISHED'")
+    if extra_filter:
+        clauses.append(extra_filter)
+    runs = c.search_runs([exp.experiment_id], filter_string=" and ".join(clauses), max_results=1000,
+                         order_by=["attributes.start_time DESC"])
+    if complete is False:
+        runs = [r for r in runs if not is_complete(r)]
+    return list(runs)
+
+
+def find_finished_run(spec_key: str, experiment: str = DEFAULT_EXPERIMENT, kind: str = "train",
+                      parent_run_id: str | None = None) -> Run | None:
+    """The newest complete run of this spec (FINISHED and tagged `sage.complete=true`), or None."""
+    runs = find_runs(experiment, spec_key=spec_key, kind=kind, parent_run_id=parent_run_id, complete=True)
+    return runs[0] if runs else None
+
+
+# ----------------------------------------------------------------------------------------------- logging helpers
+def sanitize_metric_name(name: str) -> str:
+    """What transformers' MLflowCallback does: characters MLflow refuses become `_`."""
+    return _METRIC_BAD_CHARS.sub("_", str(name))
+
+
+def numeric_metrics(values: Mapping[str, Any]) -> dict[str, float]:
+    """Numeric entries (python/numpy numbers, 0-d tensors and arrays) as floats with sanitised names."""
+    out: dict[str, float] = {}
+    for k, v in values.items():
+        if hasattr(v, "numel") and callable(v.numel):  # torch tensor
+            if v.numel() != 1:
+                continue
+            v = v.item()
+        elif hasattr(v, "ndim") and getattr(v, "ndim", None) == 0 and hasattr(v, "item"):  # numpy scalar/0-d
+            v = v.item()
+        if not isinstance(v, numbers.Real):  # bools are Real (0/1); strings, lists, None are skipped
+            continue
+        out[sanitize_metric_name(k)] = float(v)
+    return out
+
+
+def log_metrics(metrics: Mapping[str, Any], step: int | None = None, run_id: str | None = None) -> None:
+    from mlflow.entities import Metric
+    from mlflow.utils.validation import MAX_METRICS_PER_BATCH
+
+    rid = active_run_id(run_id)
+    ts = int(time.time() * 1000)
+    ms = [Metric(k, v, ts, int(step or 0)) for k, v in numeric_metrics(metrics).items()]
+    c = client()
+    for i in range(0, len(ms), MAX_METRICS_PER_BATCH):
+        c.log_batch(rid, metrics=ms[i:i + MAX_METRICS_PER_BATCH])
+
+
+def log_summary(summary: Mapping[str, Any], run_id: str | None = None, step: int | None = None,
+                prefix: str = "summary/") -> None:
+    """Final numbers of a run (TrainResult.summary, wall-clock) as metrics `summary/<key>`."""
+    log_metrics({f"{prefix}{k}": v for k, v in summary.items()}, step=step, run_id=run_id)
+
+
+def _download(run_id: str, artifact_path: str, dst: str) -> Path | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return Path(client().download_artifacts(run_id, artifact_path, dst))
+    except (MlflowException, OSError):
+        return None
+
+
+def load_eval(run_id: str) -> pd.DataFrame | None:
+    """The run's `eval/eval.parquet`, or None."""
+    import pandas as pd
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = _download(run_id, EVAL_ARTIFACT, tmp)
+        if p is None or not p.is_file():
+            return None
+        return pd.read_parquet(p)
+
+
+def log_eval(df: pd.DataFrame, when: str, run_id: str | None = None) -> pd.DataFrame:
+    """Merge `df` (benchmark, k, avg_at_k, pass_at_k, n_prompts) as `when` (before|after) into the run's
+    `eval/eval.parquet` (re-logging the same (benchmark, when, k) replaces it) and log metrics
+    `eval/<when>/<benchmark>/avg_at_<k>` and `.../pass_at_<k>` (step 0). Returns the merged table."""
+    import pandas as pd
+
+    if when not in ("before", "after"):
+        raise ValueError(f"when must be 'before' or 'after', got {when!r}")
+    rid = active_run_id(run_id)
+    new = df.copy()
+    new["when"] = when
+    missing = [c for c in EVAL_COLUMNS if c not in new.columns]
+    if missing:
+        raise ValueError(f"eval table lacks columns {missing}")
+    new = new[EVAL_COLUMNS + [c for c in new.columns if c not in EVAL_COLUMNS]]
+    old = load_eval(rid)
+    merged = new if old is None else pd.concat([old, new], ignore_index=True)
+    merged = merged.drop_duplicates(subset=["benchmark", "when", "k"], keep="last").reset_index(drop=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "eval.parquet"
+        merged.to_parquet(path, index=False)
+        client().log_artifact(rid, str(path), "eval")
+    metrics: dict[str, float] = {}
+    for row in new.itertuples(index=False):
+        name = re.sub(r"[^0-9A-Za-z_\-\.]", "_", str(row.benchmark))
+        metrics[f"eval/{when}/{name}/avg_at_{int(row.k)}"] = row.avg_at_k
+        metrics[f"eval/{when}/{name}/pass_at_{int(row.k)}"] = row.pass_at_k
+    log_metrics(metrics, step=0, run_id=rid)
+    return merged
+
+
+def log_checkpoint(path: str | Path, run_id: str | None = None, artifact_path: str = "checkpoint") -> int:
+    """Upload a model directory (skipping optimizer/scheduler/RNG state) under `checkpoint/`. Returns #files."""
+    rid = active_run_id(run_id)
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {root} does not exist")
+    c = client()
+    n = 0
+    for f in sorted(root.rglob("*")):
+        if not f.is_file():
+            continue
+        rel = f.relative_to(root)
+        if _CHECKPOINT_SKIP.match(f.name) or any(part.startswith("global_step") for part in rel.parts[:-1]):
+            continue
+        sub = "/".join([artifact_path, *rel.parts[:-1]])
+        c.log_artifact(rid, str(f), sub)
+        n += 1
+    return n
+
+
+def has_artifact(run_id: str, path: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    parent, _, name = path.rstrip("/").rpartition("/")
+    try:
+        return any(a.path.rstrip("/").rpartition("/")[2] == name for a in client().list_artifacts(run_id, parent
+                                                                                                 or None))
+    except MlflowException:
+        return False
+
+
+def log_table(df: pd.DataFrame, artifact_stem: str, run_id: str | None = None, markdown: bool = True) -> None:
+    """`<stem>.parquet`, `<stem>.csv` and (optionally) `<stem>.md` artifacts, e.g. `study/comparison`."""
+    rid = active_run_id(run_id)
+    sub, _, name = artifact_stem.rpartition("/")
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / name
+        df.to_parquet(base.with_suffix(".parquet"), index=False)
+        df.to_csv(base.with_suffix(".csv"), index=False)
+        if markdown:
+            base.with_suffix(".md").write_text(to_markdown(df) + "\n")
+        c = client()
+        for suffix in (".parquet", ".csv", ".md") if markdown else (".parquet", ".csv"):
+            c.log_artifact(rid, str(base.with_suffix(suffix)), sub or None)
+
+
+def to_markdown(df: pd.DataFrame, floatfmt: str = ".3f") -> str:
+    """A GitHub-style table without the optional `tabulate` dependency."""
+    cols = [str(c) for c in df.columns]
+
+    def fmt(v: Any) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return ""
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return str(v).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for row in df.itertuples(index=False):
+        lines.append("| " + " | ".join(fmt(v) for v in row) + " |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- UI links
+def ui_url() -> str:
+    """Base URL of the MLflow UI (`make up` starts it on 127.0.0.1:$MLFLOW_PORT)."""
+    url = os.environ.get("SAGE_MLFLOW_UI_URL")
+    if url:
+        return url.rstrip("/")
+    return f"http://127.0.0.1:{os.environ.get('MLFLOW_PORT', '5000')}"
+
+
+def run_url(run_id: str, experiment_id: str | None = None) -> str:
+    if experiment_id is None:
+        experiment_id = client().get_run(run_id).info.experiment_id
+    return f"{ui_url()}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def compare_url(run_ids: Sequence[str], experiment_id: str) -> str:
+    runs = quote(json.dumps(list(run_ids)), safe="")
+    exps = quote(json.dumps([experiment_id]), safe="")
+    return f"{ui_url()}/#/compare-runs?runs={runs}&experiments={exps}"
+
+
+# ----------------------------------------------------------------------------------------------- callback
+class MlflowTrackingCallback(TrainerCallback):
+    """Trainer callback: metrics per step, tracker Parquet files, final checkpoint, all into one MLflow run.
+
+    `run_id` defaults to the fluent active run at `on_train_begin`. Only the main process logs. Tracker files
+    (`<output_dir>/tracker/step_*.parquet`) are uploaded once each; on a resumed run the files already in the
+    run's `tracker/` artifacts are not uploaded again.
+    """
+
+    def __init__(self, run_id: str | None = None, output_dir: str | Path | None = None,
+                 log_checkpoint: bool = True, tracker_subdir: str = "tracker"):
+        self.run_id = run_id
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.log_checkpoint = log_checkpoint
+        self.tracker_subdir = tracker_subdir
+        self.uploaded: set[str] = set()
+        self.checkpoint_logged: Path | None = None
+        self._ready = False
+
+    # -- internals
+    def _setup(self, args) -> None:
+        if self._ready:
+            return
+        self.run_id = active_run_id(self.run_id)
+        if self.output_dir is None:
+            self.output_dir = Path(args.output_dir)
+        try:
+            self.uploaded = {Path(a.path).name for a in client().list_artifacts(self.run_id, self.tracker_subdir)}
+        except Exception:  # noqa: BLE001 - an unreadable artifact store only means re-uploading
+            self.uploaded = set()
+        self._ready = True
+
+    def upload_tracker_files(self) -> list[str]:
+        """Upload tracker files not uploaded yet; returns their names."""
+        tdir = (self.output_dir or Path(".")) / self.tracker_subdir
+        if not tdir.is_dir():
+            return []
+        new = sorted(p for p in tdir.iterdir() if _TRACKER_FILE.match(p.name) and p.name not in self.uploaded)
+        c = client()
+        for p in new:
+            c.log_artifact(self.run_id, str(p), self.tracker_subdir)
+            self.uploaded.add(p.name)
+        return [p.name for p in new]
+
+    @staticmethod
+    def final_checkpoint(output_dir: Path, global_step: int) -> Path | None:
+        exact = output_dir / f"checkpoint-{global_step}"
+        if exact.is_dir():
+            return exact
+        ckpts = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+        return max(ckpts, key=lambda p: int(p.name.split("-")[-1])) if ckpts else None
+
+    # -- TrainerCallback
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self._setup(args)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        self._setup(args)
+        if logs:
+            log_metrics(logs, step=state.global_step, run_id=self.run_id)
+        self.upload_tracker_files()
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self._setup(args)
+            self.upload_tracker_files()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        self._setup(args)
+        self.upload_tracker_files()
+        if self.log_checkpoint:
+            ckpt = self.final_checkpoint(Path(args.output_dir), state.global_step)
+            if ckpt is not None:
+                log_checkpoint(ckpt, self.run_id)
+                self.checkpoint_logged = ckpt
+                client().set_tag(self.run_id, "sage.checkpoint_step", ckpt.name.split("-")[-1])
+
+
+def callback_from_env() -> MlflowTrackingCallback | None:
+    """For processes started by `accelerate launch`: a callback for the run in `SAGE_MLFLOW_RUN_ID`, if set."""
+    rid = os.environ.get("SAGE_MLFLOW_RUN_ID")
+    if not rid:
+        return None
+    return MlflowTrackingCallback(run_id=rid, output_dir=os.environ.get("SAGE_OUTPUT_DIR") or None,
+                                  log_checkpoint=os.environ.get("SAGE_MLFLOW_LOG_CHECKPOINT", "1") != "0")

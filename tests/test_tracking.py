@@ -1,0 +1,203 @@
+"""sage_core.tracking against a real sqlite MLflow store (one store per module: migrations take seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+from transformers import TrainerControl, TrainerState
+
+from sage_core import tracking
+from sage_core.spec import RunSpec
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    home = tmp_path_factory.mktemp("sage_home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SAGE_HOME", str(home))
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mp.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
+        yield home
+    import mlflow
+
+    while mlflow.active_run():
+        mlflow.end_run()
+
+
+def test_tracking_uri_default_is_absolute_sqlite(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SAGE_HOME", "rel/home")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = tracking.tracking_uri()
+    assert uri == f"sqlite:///{tmp_path / 'rel/home/mlflow.db'}"
+    assert uri.startswith("sqlite:////")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert tracking.tracking_uri() == "http://127.0.0.1:5999"
+    assert not tracking.is_local_store()
+
+
+def test_open_run_tags_params_spec_and_resume(store, tmp_path):
+    spec = RunSpec(method="sage-light", max_steps=3)
+    out = tmp_path / "out"
+    rid, resumed = tracking.resume_or_create_run(spec, "train", out, experiment="t-open", run_name="light")
+    assert not resumed and (out / "mlflow_run_id").read_text().strip() == rid
+    c = tracking.client()
+    run = c.get_run(rid)
+    exp = c.get_experiment(run.info.experiment_id)
+    assert exp.name == "t-open"
+    assert exp.artifact_location == (store / "mlartifacts" / "t-open").as_uri()
+    t = run.data.tags
+    assert t["sage.kind"] == "train" and t["sage.method"] == "sage-light" and t["sage.hint_source"] == "online"
+    assert t["sage.model"] == "tiny" and t["sage.spec_key"] == spec.key() and t["mlflow.runName"] == "light"
+    assert t["git.commit"] and t[tracking.COMPLETE_TAG] == "false"
+    assert set(run.data.params) == {f"sage.{k}" for k in RunSpec.model_fields}
+    assert run.data.params["sage.max_steps"] == "3" and run.data.params["sage.teacher"] == "None"
+    assert json.loads(Path(c.download_artifacts(rid, "spec.json", str(tmp_path))).read_text()) == spec.model_dump()
+
+    # crash: the run is left FAILED; the next attempt reopens the same run id
+    tracking.finish_run(rid, "FAILED")
+    assert tracking.find_finished_run(spec.key(), "t-open") is None
+    rid2, resumed = tracking.resume_or_create_run(spec, "train", out, experiment="t-open")
+    assert (rid2, resumed) == (rid, True)
+    run = c.get_run(rid)
+    assert run.info.status == "RUNNING" and run.data.tags["sage.resumed"] == "1"
+    tracking.finish_run(rid)
+    assert tracking.find_finished_run(spec.key(), "t-open").info.run_id == rid
+    # a stale id (other store) starts a new run instead of failing
+    (out / "mlflow_run_id").write_text("0" * 32)
+    rid3, resumed = tracking.resume_or_create_run(spec, "train", out, experiment="t-open")
+    assert not resumed and rid3 != rid and tracking.read_run_id(out) == rid3
+
+
+def test_start_run_parent_child_and_status(store):
+    import mlflow
+
+    base = RunSpec()
+    with tracking.start_run(base, "study", experiment="t-study", run_name="study") as parent:
+        pid = parent.info.run_id
+        assert mlflow.active_run().info.run_id == pid
+        with tracking.start_run(RunSpec(method="grpo"), "train", experiment="t-study", run_name="grpo",
+                                parent_run_id=pid) as child:
+            assert mlflow.active_run().info.run_id == child.info.run_id
+        with pytest.raises(RuntimeError):
+            with tracking.start_run(RunSpec(method="sage"), "train", experiment="t-study",
+                                    parent_run_id=pid):
+                raise RuntimeError("boom")
+        assert mlflow.active_run().info.run_id == pid
+    assert mlflow.active_run() is None
+    c = tracking.client()
+    kids = tracking.find_runs("t-study", kind="train", parent_run_id=pid)
+    assert {r.data.tags["sage.method"] for r in kids} == {"grpo", "sage"}
+    status = {r.data.tags["sage.method"]: (r.info.status, tracking.is_complete(r)) for r in kids}
+    assert status == {"grpo": ("FINISHED", True), "sage": ("FAILED", False)}
+    assert kids[0].data.tags["sage.hint_source"] in ("online", "none")
+    assert c.get_run(child.info.run_id).data.tags["sage.hint_source"] == "none"  # grpo uses no hints
+    assert tracking.find_finished_run(RunSpec(method="grpo").key(), "t-study", parent_run_id=pid) is not None
+    assert tracking.find_finished_run(RunSpec(method="sage").key(), "t-study") is None
+
+
+def _state(step: int) -> TrainerState:
+    s = TrainerState()
+    s.global_step = step
+    return s
+
+
+def test_callback_metrics_tracker_files_and_checkpoint(store, tmp_path):
+    spec = RunSpec(max_steps=2)
+    out = tmp_path / "train"
+    tdir = out / "tracker"
+    tdir.mkdir(parents=True)
+    rid = tracking.open_run(spec, "train", experiment="t-cb")
+    args = SimpleNamespace(output_dir=str(out))
+    cb = tracking.MlflowTrackingCallback(run_id=rid)
+    ctl = TrainerControl()
+    cb.on_train_begin(args, _state(0), ctl)
+    pd.DataFrame({"step": [1], "prompt_id": ["p0"]}).to_parquet(tdir / "step_000001.parquet")
+    (tdir / "notes.txt").write_text("not a tracker file")
+    import numpy as np
+    import torch
+
+    cb.on_log(args, _state(1), ctl, logs={"reward": 0.5, "sage/frac_collapsed": np.float32(0.25),
+                                          "loss(x)": torch.tensor(1.5), "epoch": 1, "flag": True,
+                                          "text": "skip", "vec": torch.zeros(3), "none": None})
+    pd.DataFrame({"step": [2], "prompt_id": ["p0"]}).to_parquet(tdir / "step_000002.parquet")
+    cb.on_log(args, _state(2), ctl, logs={"reward": 0.75})
+    cb.on_log(args, _state(2), ctl, logs={})  # nothing new: no re-upload
+    ck = out / "checkpoint-2"
+    ck.mkdir()
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "optimizer.pt", "scheduler.pt",
+                 "rng_state.pth", "trainer_state.json"):
+        (ck / name).write_text(name)
+    (out / "checkpoint-1").mkdir()
+    cb.on_train_end(args, _state(2), ctl)
+
+    c = tracking.client()
+    hist = c.get_metric_history(rid, "reward")
+    assert [(m.step, m.value) for m in hist] == [(1, 0.5), (2, 0.75)]
+    run = c.get_run(rid)
+    assert run.data.metrics["sage/frac_collapsed"] == 0.25
+    assert run.data.metrics["loss_x_"] == 1.5 and run.data.metrics["flag"] == 1.0
+    assert not {"text", "vec", "none"} & set(run.data.metrics)
+    assert sorted(a.path for a in c.list_artifacts(rid, "tracker")) == ["tracker/step_000001.parquet",
+                                                                       "tracker/step_000002.parquet"]
+    assert sorted(Path(a.path).name for a in c.list_artifacts(rid, "checkpoint")) == [
+        "config.json", "model.safetensors", "tokenizer.json", "trainer_state.json"]
+    assert cb.checkpoint_logged == ck and run.data.tags["sage.checkpoint_step"] == "2"
+
+    # a resumed run: a new callback knows which tracker files the run already has
+    cb2 = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
+    cb2.on_train_begin(args, _state(2), ctl)
+    assert cb2.uploaded == {"step_000001.parquet", "step_000002.parquet"}
+    pd.DataFrame({"step": [3], "prompt_id": ["p0"]}).to_parquet(tdir / "step_000003.parquet")
+    assert cb2.upload_tracker_files() == ["step_000003.parquet"]
+    # other ranks never log
+    s = _state(3)
+    s.is_world_process_zero = False
+    tracking.MlflowTrackingCallback(run_id=rid).on_log(args, s, ctl, logs={"only_rank0": 1.0})
+    assert "only_rank0" not in c.get_run(rid).data.metrics
+
+
+def test_callback_uses_active_run_and_env(store, tmp_path, monkeypatch):
+    with tracking.start_run(RunSpec(), "train", experiment="t-cb2") as run:
+        cb = tracking.MlflowTrackingCallback()
+        cb.on_log(SimpleNamespace(output_dir=str(tmp_path)), _state(4), TrainerControl(), logs={"kl": 0.1})
+    assert tracking.client().get_metric_history(run.info.run_id, "kl")[0].step == 4
+    assert tracking.callback_from_env() is None
+    monkeypatch.setenv("SAGE_MLFLOW_RUN_ID", run.info.run_id)
+    assert tracking.callback_from_env().run_id == run.info.run_id
+
+
+def test_log_eval_merges_and_logs_metrics(store, tmp_path):
+    rid = tracking.open_run(RunSpec(), "train", experiment="t-eval")
+    before = pd.DataFrame({"benchmark": ["synthetic"], "k": [4], "avg_at_k": [0.25], "pass_at_k": [0.5],
+                           "n_prompts": [8]})
+    tracking.log_eval(before, "before", run_id=rid)
+    after = before.assign(avg_at_k=[0.5], pass_at_k=[0.75])
+    tracking.log_eval(after, "after", run_id=rid)
+    merged = tracking.log_eval(after.assign(avg_at_k=[0.625]), "after", run_id=rid)  # replaces, no duplicate
+    assert list(merged.columns[:6]) == tracking.EVAL_COLUMNS
+    got = tracking.load_eval(rid).set_index("when")
+    assert len(got) == 2 and got.loc["before", "avg_at_k"] == 0.25 and got.loc["after", "avg_at_k"] == 0.625
+    m = tracking.client().get_run(rid).data.metrics
+    assert m["eval/before/synthetic/avg_at_4"] == 0.25 and m["eval/after/synthetic/pass_at_4"] == 0.75
+    with pytest.raises(ValueError, match="when"):
+        tracking.log_eval(before, "during", run_id=rid)
+
+
+def test_log_table_and_markdown(store, tmp_path):
+    rid = tracking.open_run(RunSpec(), "study", experiment="t-table")
+    df = pd.DataFrame({"variant": ["grpo", "sage|x"], "avg": [0.5, float("nan")]})
+    tracking.log_table(df, "study/comparison", run_id=rid)
+    names = sorted(Path(a.path).name for a in tracking.client().list_artifacts(rid, "study"))
+    assert names == ["comparison.csv", "comparison.md", "comparison.parquet"]
+    md = tracking.to_markdown(df)
+    assert md.splitlines()[2] == "| grpo | 0.500 |" and "sage\\|x |  |" in md
+    assert tracking.has_artifact(rid, "study/comparison.parquet")
+    assert tracking.compare_url(["a", "b"], "3").endswith(
+        "#/compare-runs?runs=%5B%22a%22%2C%20%22b%22%5D&experiments=%5B%223%22%5D")
+    assert os.environ["SAGE_HOME"] == str(store)
