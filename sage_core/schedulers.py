@@ -58,7 +58,7 @@ class Scheduler:
 
     def finalize(self, pid: str, tries: Tries) -> Selection:
         """Default: train on the last try whose group is mixed, else on the first try (no hint for sage)."""
-        chosen = next((i for i in range(len(tries) - 1, -1, -1) if not collapsed(tries[i][1])), 0)
+        chosen = next((i for i in range(len(tries) - 1, -1, -1) if tries[i][1] and not collapsed(tries[i][1])), 0)
         return Selection([(chosen, j) for j in range(len(tries[chosen][1]))])
 
     def observe(self, pid: str, level: int, rewards: list[float]) -> None:
@@ -80,8 +80,8 @@ class SAGE(Scheduler):
     uses_hints = True
 
     def next_action(self, pid: str, tries: Tries) -> Action | None:
-        level, rewards = tries[-1]
-        if max(rewards) > 0 or level >= MAX_LEVEL:  # a success (or out of levels): stop searching
+        level, rewards = tries[-1]  # rewards is empty when no usable hint could be written at that level
+        if any(r > 0 for r in rewards) or level >= MAX_LEVEL:  # a success (or out of levels): stop searching
             return None
         return Action(level + 1)
 

@@ -1,0 +1,303 @@
+"""Hints h for a prompt x: a lossy compression of the reference solution at level 1 (minimal), 2 (medium) or
+3 (detailed), never the final answer. Level 0 is the empty hint (deployment and evaluation).
+
+Three sources behind one interface, `HintSource.get(requests, ctx) -> results`:
+  online  - the current policy writes the hint each time it is needed (the paper's best variant)
+  fixed   - the initial policy writes every hint once, before the first update; cached to a JSONL file
+  teacher - another model writes them: a JSONL/Parquet file of precomputed hints, a local model path, or an
+            OpenAI-compatible endpoint (http[s]://.../v1)
+Every hint passes the leak guard: a hint that contains the gold answer is rejected and recorded, never used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .prompts import LEVELS, chat, hint_request
+
+log = logging.getLogger(__name__)
+
+# generate(chat_prompts, max_new_tokens) -> completion texts, one per prompt (collective-safe in the trainer)
+GenerateFn = Callable[[list[list[dict]], int], list[str]]
+
+
+@dataclass(frozen=True)
+class HintRequest:
+    prompt_id: str
+    problem: str
+    solution: str
+    answer: str
+    level: int
+
+
+@dataclass
+class HintResult:
+    text: str | None  # None: no usable hint (failed or every sample leaked)
+    leaked: bool = False  # at least one sample contained the answer and was rejected
+    attempts: int = 0
+
+    @property
+    def failed(self) -> bool:
+        return self.text is None
+
+
+@dataclass
+class HintContext:
+    """What a source may use from the trainer: the policy's generate, and cross-process gather."""
+
+    generate: GenerateFn
+    max_new_tokens: int = 48
+    retries: int = 2
+    gather: Callable[[list], list] = field(default=lambda xs: xs)  # all_gather_object, flattened
+    rank: int = 0
+    world: int = 1
+
+
+# ----------------------------------------------------------------------------------------------- leak guard
+def _norm(s: str) -> str:
+    return re.sub(r"\s+|\$", "", s).rstrip(".")
+
+
+def _numeric(s: str) -> bool:
+    return re.fullmatch(r"-?\d+(\.\d+)?", s) is not None
+
+
+def leaks(hint: str, answer: str) -> bool:
+    """True when the hint reveals the final answer: it contains the gold answer as a standalone number (or, for a
+    non-numeric answer, as a substring once spaces are removed), or it contains a \\boxed{} answer."""
+    if "\\boxed" in hint:
+        return True
+    ans = _norm(str(answer))
+    if not ans:
+        return False
+    if _numeric(ans):
+        ans = re.sub(r"\.0+$", "", ans)
+        # digits may be spaced out ("1 2" is not 12, but tiny tokenizers print "12" as one word): compare numbers
+        numbers = re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?", hint)
+        return any(re.sub(r"\.0+$", "", n) == ans for n in numbers)
+    return ans in _norm(hint)
+
+
+def clean_hint(text: str) -> str:
+    """Strip whitespace and a trailing unfinished fragment; keep at most a few lines."""
+    text = text.strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return " ".join(lines[:6])
+
+
+def request_prompt(req: HintRequest) -> list[dict]:
+    """The chat prompt asking for a hint. With no reference solution the hint is written from the problem alone."""
+    return chat(hint_request(req.problem, req.solution or "(not available)", req.level))
+
+
+# ----------------------------------------------------------------------------------------------- sources
+class HintSource:
+    name = "base"
+
+    def prepare(self, rows: Sequence[dict], ctx: HintContext) -> None:
+        """Called once before the first update (fixed hints are written here)."""
+
+    def get(self, requests: Sequence[HintRequest], ctx: HintContext) -> list[HintResult]:
+        raise NotImplementedError
+
+
+def sample_hints(requests: Sequence[HintRequest], ctx: HintContext) -> list[HintResult]:
+    """Ask the model for each hint; resample the ones that leaked or came back empty, up to ctx.retries times.
+    Always makes 1 + retries generate calls (some maybe empty), so every process makes the same calls."""
+    results = [HintResult(None) for _ in requests]
+    for _ in range(1 + ctx.retries):
+        todo = [i for i, r in enumerate(results) if r.text is None]
+        texts = ctx.generate([request_prompt(requests[i]) for i in todo], ctx.max_new_tokens)
+        for i, raw in zip(todo, texts, strict=True):
+            results[i].attempts += 1
+            text = clean_hint(raw)
+            if not text:
+                continue
+            if leaks(text, requests[i].answer):
+                results[i].leaked = True
+                continue
+            results[i].text = text
+    return results
+
+
+class OnlineHints(HintSource):
+    """The current policy writes each hint when it is needed (no caching across steps)."""
+
+    name = "online"
+
+    def get(self, requests, ctx):
+        return sample_hints(requests, ctx)
+
+
+class CachedHints(HintSource):
+    """Hints looked up by (prompt_id, level); a missing one is a failure, never a silent empty hint."""
+
+    def __init__(self, hints: dict[tuple[str, int], str] | None = None):
+        self.hints = dict(hints or {})
+        self.leaked: set[tuple[str, int]] = set()
+
+    def get(self, requests, ctx):
+        out = []
+        for r in requests:
+            text = self.hints.get((r.prompt_id, r.level))
+            if text is not None and leaks(text, r.answer):
+                self.leaked.add((r.prompt_id, r.level))
+                out.append(HintResult(None, leaked=True, attempts=1))
+            else:
+                out.append(HintResult(text, leaked=(r.prompt_id, r.level) in self.leaked, attempts=1))
+        return out
+
+
+class FixedHints(CachedHints):
+    """Hints written once by the initial policy for every prompt and level, persisted to `path` (JSONL).
+    An existing file is reused, so a resumed run keeps the hints of its initial policy."""
+
+    name = "fixed"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        super().__init__(read_hints(self.path) if self.path.exists() else {})
+
+    def prepare(self, rows, ctx):
+        if self.hints:
+            return
+        mine = [row for i, row in enumerate(rows) if i % ctx.world == ctx.rank]
+        reqs = [HintRequest(r["prompt_id"], r["problem"], r.get("solution", ""), r["answer"], lvl)
+                for r in mine for lvl in LEVELS]
+        results = sample_hints(reqs, ctx)
+        local = [(q.prompt_id, q.level, res.text, res.leaked) for q, res in zip(reqs, results, strict=True)]
+        for pid, lvl, text, leaked in ctx.gather(local):
+            if text is not None:
+                self.hints[(pid, lvl)] = text
+            if leaked:
+                self.leaked.add((pid, lvl))
+        if ctx.rank == 0:
+            write_hints(self.path, [(p, lvl, t) for (p, lvl), t in self.hints.items()])
+        log.info("fixed hints: %d written by the initial policy to %s", len(self.hints), self.path)
+
+
+class TeacherHints(CachedHints):
+    """Hints from another model. `teacher` is a hints file (.jsonl/.parquet with prompt_id, level, hint), an
+    OpenAI-compatible base URL (http[s]://host/v1; `model` names the served model), or a local model path."""
+
+    name = "teacher"
+
+    def __init__(self, teacher: str, model: str | None = None, max_new_tokens: int = 256):
+        super().__init__()
+        self.teacher, self.model, self.max_new_tokens = teacher, model, max_new_tokens
+        self._generate: GenerateFn | None = None
+        if teacher.endswith((".jsonl", ".json", ".parquet")):
+            if not Path(teacher).exists():
+                raise FileNotFoundError(f"teacher hints file not found: {teacher}")
+            self.hints = read_hints(Path(teacher))
+        elif teacher.startswith(("http://", "https://")):
+            self._generate = _openai_generate(teacher, model)
+        else:
+            self._generate = _local_model_generate(teacher)
+
+    def get(self, requests, ctx):
+        if self._generate is not None:
+            missing = [r for r in requests if (r.prompt_id, r.level) not in self.hints]
+            if missing:  # the teacher is fixed, so its hints are cached
+                teacher_ctx = HintContext(generate=self._generate, max_new_tokens=self.max_new_tokens,
+                                          retries=ctx.retries)
+                for r, res in zip(missing, sample_hints(missing, teacher_ctx), strict=True):
+                    if res.text is not None:
+                        self.hints[(r.prompt_id, r.level)] = res.text
+                    if res.leaked:
+                        self.leaked.add((r.prompt_id, r.level))
+        return super().get(requests, ctx)
+
+
+def _openai_generate(base_url: str, model: str | None) -> GenerateFn:
+    import httpx
+
+    url = base_url.rstrip("/") + "/chat/completions"
+
+    def generate(prompts, max_new_tokens):
+        out = []
+        for messages in prompts:
+            resp = httpx.post(url, json={"model": model or "default", "messages": messages,
+                                         "max_tokens": max_new_tokens, "temperature": 0.7}, timeout=120)
+            resp.raise_for_status()
+            out.append(resp.json()["choices"][0]["message"]["content"] or "")
+        return out
+
+    return generate
+
+
+def _local_model_generate(path: str) -> GenerateFn:
+    from .models import load_policy
+
+    model, tok = load_policy(path)
+    model.eval()
+
+    def generate(prompts, max_new_tokens):
+        import torch
+
+        if not prompts:
+            return []
+        enc = tok.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True, padding=True,
+                                      return_dict=True, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.7,
+                                 pad_token_id=tok.pad_token_id)
+        return tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    return generate
+
+
+# ----------------------------------------------------------------------------------------------- files
+def read_hints(path: Path) -> dict[tuple[str, int], str]:
+    """Read a hints file: rows with prompt_id, level (1..3) and hint. Bad rows raise, naming the row."""
+    if path.suffix == ".parquet":
+        import pandas as pd
+
+        records = pd.read_parquet(path).to_dict("records")
+    else:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    hints = {}
+    for i, rec in enumerate(records):
+        missing = {"prompt_id", "level", "hint"} - set(rec)
+        if missing:
+            raise ValueError(f"{path}: row {i} lacks {sorted(missing)} (has {sorted(rec)})")
+        if int(rec["level"]) not in LEVELS:
+            raise ValueError(f"{path}: row {i} has level {rec['level']!r}; levels are {LEVELS}")
+        hints[(str(rec["prompt_id"]), int(rec["level"]))] = str(rec["hint"])
+    return hints
+
+
+def write_hints(path: Path, hints: Sequence[tuple[str, int, str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w") as f:
+        for pid, level, text in hints:
+            f.write(json.dumps({"prompt_id": pid, "level": level, "hint": text}) + "\n")
+    tmp.replace(path)
+
+
+def write_reference_hints(rows: Sequence[dict], path: str | Path) -> Path:
+    """A teacher hints file from the synthetic task's reference hints (a perfect, answer-free teacher)."""
+    from .data import reference_hint
+
+    path = Path(path)
+    write_hints(path, [(r["prompt_id"], lvl, reference_hint(r, lvl)) for r in rows for lvl in LEVELS])
+    return path
+
+
+def make_hint_source(name: str, output_dir: str | Path, teacher: str | None = None,
+                     teacher_model: str | None = None, max_new_tokens: int = 48) -> HintSource:
+    if name == "online":
+        return OnlineHints()
+    if name == "fixed":
+        return FixedHints(Path(output_dir) / "fixed_hints.jsonl")
+    if name == "teacher":
+        if not teacher:
+            raise ValueError("hint_source='teacher' needs `teacher`: a hints file, a model path or an endpoint URL")
+        return TeacherHints(teacher, teacher_model, max_new_tokens)
+    raise ValueError(f"unknown hint source {name!r}; choose online, fixed or teacher")

@@ -1,0 +1,92 @@
+"""Per-prompt tracker: what happened to every prompt id at every step, one Parquet file per step.
+
+Files are written once (`tracker/step_000012.parquet`) and never rewritten, so a long run costs O(batch) I/O per
+step. Reloading them rebuilds the run's memory: which prompts were ever solved, and (by replaying
+`scheduler.observe`) the SAGE-LIGHT levels, so a resumed run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import pandas as pd
+
+COLUMNS = [
+    "step", "prompt_id", "problem", "answer", "difficulty", "base_pass_rate", "base_state", "level",
+    "max_level_tried", "pass_rate", "rescued", "hint", "hint_l1", "hint_l2", "hint_l3", "acc_l1", "acc_l2",
+    "acc_l3", "leak_l1", "leak_l2", "leak_l3", "hint_failed", "rollouts", "completions", "rewards", "method",
+]
+
+
+class PromptTracker:
+    def __init__(self, directory: str | Path, write: bool = True):
+        self.dir = Path(directory)
+        self.write = write
+        self.seen: set[str] = set()
+        self.solved: set[str] = set()  # any correct rollout so far, hinted or not
+        self.solved_no_hint: set[str] = set()  # a correct rollout with no hint
+
+    # -- bookkeeping ----------------------------------------------------------------------------------------
+    def _absorb(self, rec: dict) -> None:
+        pid = rec["prompt_id"]
+        self.seen.add(pid)
+        accs = [rec.get("acc_l1"), rec.get("acc_l2"), rec.get("acc_l3"), rec.get("pass_rate")]
+        if any(a is not None and not _isnan(a) and a > 0 for a in accs):
+            self.solved.add(pid)
+        base = rec.get("base_pass_rate")
+        if base is not None and not _isnan(base) and base > 0:
+            self.solved.add(pid)
+            self.solved_no_hint.add(pid)
+        if rec.get("level", 0) == 0 and rec.get("pass_rate", 0) > 0:
+            self.solved_no_hint.add(pid)
+
+    def never_solved(self) -> float:
+        """Fraction of prompts seen so far with no correct rollout at all (the paper's Table 2 statistic)."""
+        return 1.0 - len(self.solved) / len(self.seen) if self.seen else float("nan")
+
+    def never_solved_no_hint(self) -> float:
+        return 1.0 - len(self.solved_no_hint) / len(self.seen) if self.seen else float("nan")
+
+    # -- files ----------------------------------------------------------------------------------------------
+    def record(self, step: int, records: list[dict]) -> Path | None:
+        for rec in records:
+            self._absorb(rec)
+        if not self.write or not records:
+            return None
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"step_{step:06d}.parquet"
+        df = pd.DataFrame([{c: rec.get(c) for c in COLUMNS} | {"step": step} for rec in records], columns=COLUMNS)
+        tmp = path.with_suffix(".parquet.tmp")
+        df.to_parquet(tmp, index=False)
+        tmp.replace(path)
+        return path
+
+    def files(self, up_to_step: int | None = None) -> list[Path]:
+        files = sorted(self.dir.glob("step_*.parquet"))
+        if up_to_step is not None:
+            files = [f for f in files if int(f.stem.split("_")[1]) <= up_to_step]
+        return files
+
+    def reload(self, up_to_step: int | None = None) -> Iterable[dict]:
+        """Absorb the files of steps <= up_to_step and yield their records in step order (for scheduler replay)."""
+        for f in self.files(up_to_step):
+            for rec in pd.read_parquet(f).to_dict("records"):
+                self._absorb(rec)
+                yield rec
+
+
+def read_tracker(directory: str | Path, columns: list[str] | None = None) -> pd.DataFrame:
+    """All tracker files of a run as one frame (pyarrow reads only the requested columns)."""
+    files = sorted(Path(directory).glob("step_*.parquet"))
+    if not files:
+        return pd.DataFrame(columns=columns or COLUMNS)
+    return pd.concat([pd.read_parquet(f, columns=columns) for f in files], ignore_index=True)
+
+
+def _isnan(x) -> bool:
+    try:
+        return math.isnan(x)
+    except TypeError:
+        return False

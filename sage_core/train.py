@@ -1,0 +1,179 @@
+"""train(spec, output_dir): one SAGE/GRPO run from a RunSpec, end to end (model, data, trainer, checkpoints).
+
+MLflow logging is not done here: callers pass `sage_core.tracking`'s callback (the flows and the CLI do).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from .spec import RunSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    checkpoint_dir: Path  # final model + tokenizer (load with sage_core.models.load_policy)
+    tracker_dir: Path
+    global_step: int
+    wall_seconds: float
+    summary: dict[str, float]
+    log_history: list[dict] = field(default_factory=list)
+    eval: pd.DataFrame | None = None
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def build_config(spec: RunSpec, output_dir: str | Path):
+    """SageConfig for a spec: batch shapes so that one generation batch is prompts_per_step x G rows."""
+    import torch
+
+    from .trainer import SageConfig
+
+    G, world = spec.num_generations, world_size()
+    rows = spec.prompts_per_step * G
+    if rows % world:
+        raise ValueError(f"prompts_per_step x num_generations = {rows} rows do not split over {world} processes")
+    local = rows // world
+    micro = spec.micro_batch_size or local
+    if local % micro:
+        raise ValueError(f"micro_batch_size {micro} must divide the {local} rows each process rolls out per step")
+    steps_per_generation = local // micro
+    if steps_per_generation % spec.updates_per_generation:
+        raise ValueError(f"updates_per_generation {spec.updates_per_generation} must divide the "
+                         f"{steps_per_generation} micro-batches of a step")
+    cuda = torch.cuda.is_available()
+    bf16 = cuda if spec.bf16 is None else spec.bf16
+    vllm_len = None
+    if spec.use_vllm and spec.max_prompt_length:
+        vllm_len = spec.max_prompt_length + spec.max_completion_length
+    return SageConfig(
+        output_dir=str(output_dir),
+        max_steps=spec.max_steps * spec.updates_per_generation,
+        learning_rate=spec.learning_rate,
+        lr_scheduler_type="constant",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=micro,
+        steps_per_generation=steps_per_generation,
+        gradient_accumulation_steps=steps_per_generation // spec.updates_per_generation,
+        num_generations=G,
+        max_completion_length=spec.max_completion_length,
+        temperature=spec.temperature,
+        epsilon=spec.epsilon,
+        epsilon_high=spec.epsilon_high,
+        beta=spec.beta,
+        loss_type=spec.loss_type,
+        seed=spec.seed,
+        data_seed=spec.seed,
+        save_strategy="steps",
+        save_steps=spec.save_steps * spec.updates_per_generation,
+        save_total_limit=2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=not cuda,
+        bf16=bf16,
+        gradient_checkpointing=spec.gradient_checkpointing,
+        use_vllm=spec.use_vllm,
+        vllm_mode=spec.vllm_mode,
+        vllm_gpu_memory_utilization=spec.vllm_gpu_memory_utilization,
+        vllm_server_base_url=spec.vllm_server_base_url,
+        vllm_max_model_length=vllm_len,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        sage_method=spec.method,
+        hint_max_tokens=spec.hint_max_tokens,
+        hint_retries=spec.hint_retries,
+        light_min=spec.light_min,
+        light_max=spec.light_max,
+        sage_max_rounds=max(spec.max_rounds, 3),
+    )
+
+
+def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
+    from .data import build_dataset
+    from .hints import make_hint_source
+    from .models import load_policy
+    from .reward import boxed_reward
+    from .schedulers import make_scheduler
+    from .trainer import SageGRPOTrainer
+
+    args = build_config(spec, output_dir)
+    model, tokenizer = load_policy(spec.model, spec.gguf_file)
+    dataset = build_dataset(spec)
+    scheduler = make_scheduler(spec.method, light_min=spec.light_min, light_max=spec.light_max,
+                               max_rounds=spec.max_rounds, weighting=spec.weighting,
+                               num_generations=spec.num_generations)
+    hint_source = make_hint_source(spec.hint_source, output_dir, spec.teacher, spec.teacher_model,
+                                   spec.hint_max_tokens)
+    return SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
+                           processing_class=tokenizer, callbacks=list(callbacks), scheduler=scheduler,
+                           hint_source=hint_source)
+
+
+def last_checkpoint(output_dir: str | Path) -> Path | None:
+    ckpts = [p for p in Path(output_dir).glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)]
+    ckpts = [p for p in ckpts if (p / "trainer_state.json").exists()]
+    return max(ckpts, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = True) -> TrainResult:
+    """Train one run. With resume=True a run whose output_dir holds a checkpoint continues from it (optimizer,
+    step, and the scheduler/tracker state replayed from the tracker files)."""
+    from transformers import set_seed
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "spec.json").write_text(spec.model_dump_json(indent=2))
+    set_seed(spec.seed)
+    t0 = time.perf_counter()
+    trainer = build_trainer(spec, output_dir, callbacks)
+    ckpt = last_checkpoint(output_dir) if resume else None
+    if ckpt is not None:
+        step = int(ckpt.name.split("-")[1])
+        replayed = trainer.restore_state(step)
+        log.info("resuming %s from %s (%d tracker records replayed)", output_dir, ckpt.name, replayed)
+    trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+    final = output_dir / "final"
+    trainer.save_model(str(final))
+    trainer.processing_class.save_pretrained(str(final))
+    wall = time.perf_counter() - t0
+    history = list(trainer.state.log_history)
+    summary = summarize(history, trainer.tracker)
+    summary["wall_seconds"] = wall
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return TrainResult(output_dir, final, Path(trainer.args.tracker_dir), trainer.state.global_step, wall,
+                       summary, history)
+
+
+def summarize(history: list[dict], tracker) -> dict[str, float]:
+    """The numbers that matter for a run, from its log history and per-prompt tracker."""
+    steps = [h for h in history if "sage/frac_collapsed" in h]
+
+    def mean(key):
+        vals = [h[key] for h in steps if h.get(key) is not None and h[key] == h[key]]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    return {
+        "never_solved": tracker.never_solved(),
+        "never_solved_no_hint": tracker.never_solved_no_hint(),
+        "prompts_seen": float(len(tracker.seen)),
+        "frac_collapsed": mean("sage/frac_collapsed"),
+        "frac_rescued": mean("sage/frac_rescued"),
+        "rescued": sum(h.get("sage/rescued_groups", 0) or 0 for h in steps),
+        "rollouts": sum(h.get("sage/rollouts", 0) or 0 for h in steps),
+        "reward": mean("reward"),
+        "step_time": mean("step_time"),
+    }

@@ -1,0 +1,428 @@
+"""SageGRPOTrainer: TRL's GRPOTrainer, with collapsed groups re-rolled under hints.
+
+Per training step, for every prompt x of the batch (a group of G rows sharing one prompt_id, always on one process):
+  1. roll G completions at level l0 = scheduler.level_before(x)   (0 = no hint; SAGE-LIGHT: the tracked level)
+  2. score them with the verifier (the reward never changes)
+  3. while scheduler.next_action(x, tries) asks for it: get h = hint(x, level), re-roll G completions of
+     pi(.|x,h) for that group only, and score them (SAGE: levels 1, 2, 3 until a success)
+  4. scheduler.finalize picks the G rows trained on; their prompt ids are the hinted ones, so the loss is
+     on-policy in (x,h); the group's advantages get the selection's weight
+Collectives (generation under ZeRO-3, vLLM server mode, reward gathering) see the same calls on every process:
+every round gathers the work counts and pads each process to the largest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import gather, gather_object
+from torch import nn
+from trl import GRPOConfig, GRPOTrainer
+from trl.data_utils import is_conversational
+
+from . import gate
+from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints
+from .prompts import LEVELS, hinted_problem
+from .schedulers import Action, Scheduler, make_scheduler
+from .tracker import PromptTracker
+
+
+@dataclass
+class SageConfig(GRPOConfig):
+    """GRPOConfig plus SAGE's fields only."""
+
+    sage_method: str = field(default="sage", metadata={"help": "grpo | sage | sage-light | curation methods"})
+    hint_max_tokens: int = field(default=48, metadata={"help": "max new tokens of one hint"})
+    hint_retries: int = field(default=2, metadata={"help": "resamples of a hint that leaked or came back empty"})
+    light_min: float = field(default=0.1, metadata={"help": "SAGE-LIGHT: raise the level when accuracy <= this"})
+    light_max: float = field(default=0.35, metadata={"help": "SAGE-LIGHT: lower the level when accuracy > this"})
+    sage_max_rounds: int = field(default=4, metadata={"help": "hard cap on extra rollout rounds per step"})
+    tracker_dir: str | None = field(default=None, metadata={"help": "per-prompt Parquet files (output_dir/tracker)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        local = self.per_device_train_batch_size * self.steps_per_generation
+        if local % self.num_generations:
+            raise ValueError(
+                f"per-process generation batch ({self.per_device_train_batch_size} x {self.steps_per_generation} "
+                f"steps_per_generation = {local}) must be a multiple of num_generations ({self.num_generations}) "
+                "so that every prompt group lives on one process"
+            )
+        if self.tracker_dir is None:
+            self.tracker_dir = f"{self.output_dir}/tracker"
+
+
+@dataclass
+class Try:
+    """G rollouts of one prompt at one level."""
+
+    level: int
+    hint: str | None
+    rows: list[dict]  # dataset rows (the prompt's columns), one per rollout
+    prompt_ids: list
+    completion_ids: list
+    completions: list
+    logprobs: list | None
+    rpf: torch.Tensor  # (G, n_reward_funcs)
+    rewards: list[float]
+
+
+class SageGRPOTrainer(GRPOTrainer):
+    def __init__(self, *args, scheduler: Scheduler | None = None, hint_source: HintSource | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        a = self.args
+        self.scheduler = scheduler or make_scheduler(a.sage_method, light_min=a.light_min, light_max=a.light_max,
+                                                     max_rounds=a.sage_max_rounds)
+        self.hint_source = hint_source or OnlineHints()
+        self.tracker = PromptTracker(a.tracker_dir, write=self.accelerator.is_main_process)
+        if any(isinstance(f, nn.Module) for f in self.reward_funcs):
+            raise ValueError("SageGRPOTrainer scores re-rolls locally: reward_funcs must be Python callables")
+        if self.tools:
+            raise ValueError("SageGRPOTrainer does not re-roll tool-calling rollouts; pass tools=None")
+        self._rows: list[dict] | None = None
+        self._final_rpf: torch.Tensor | None = None
+        self._row_weights: torch.Tensor | None = None
+        self._hints_prepared = False
+        self._pool = None  # fresh prompts for methods that swap a collapsed group for a new prompt
+
+    # ------------------------------------------------------------------------------------------ TRL hooks
+    def _generate_and_score_completions(self, inputs):
+        self._rows = inputs if self.model.training else None
+        try:
+            out = super()._generate_and_score_completions(inputs)
+            if self._row_weights is not None:
+                out["advantages"] = out["advantages"] * self._row_weights.to(out["advantages"].device).view(
+                    -1, *([1] * (out["advantages"].dim() - 1)))
+            return out
+        finally:
+            self._rows, self._final_rpf, self._row_weights = None, None, None
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        if self._final_rpf is not None:  # already scored while deciding the re-rolls: gather, don't re-verify
+            rpf, self._final_rpf = self._final_rpf, None
+            return gather(rpf.to(self.accelerator.device))
+        return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+
+    def _generate(self, prompts):
+        if self._rows is None:
+            return super()._generate(prompts)
+        return self._sage_generate(prompts, self._rows)
+
+    # ------------------------------------------------------------------------------------------ the step
+    def _sage_generate(self, prompts, rows):
+        G, t_start, m = self.num_generations, time.perf_counter(), self._metrics["train"]
+        self._hint_seconds = 0.0
+        groups = _groups_by_prompt_id(rows, G)
+        if not self._hints_prepared:
+            self._prepare_hints()
+
+        # 1-2. first rollout of every group at the scheduler's level, scored
+        levels = {pid: self.scheduler.level_before(pid) for pid, _ in groups}
+        hints = self._get_hints([(rows[idx[0]], lvl) for pid, idx in groups if (lvl := levels[pid]) > 0])
+        first_prompts, first_hint = [], {}
+        for pid, idx in groups:
+            res = hints.get((pid, levels[pid]))
+            text = res.text if res is not None else None
+            if levels[pid] > 0 and text is None:
+                levels[pid] = 0  # no usable hint: roll without one
+            first_hint[pid] = text
+            first_prompts += [self._prompt(rows[i], text) for i in idx]
+        out = super()._generate(first_prompts)
+        prompt_ids, completion_ids, _, completions, logprobs, extra, images, tool_images = out
+        rpf = self._score(rows, first_prompts, completions, completion_ids)
+        tries: dict[str, list[Try]] = {}
+        for pid, idx in groups:
+            tries[pid] = [self._make_try(levels[pid], first_hint[pid], [rows[i] for i in idx],
+                                         [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
+                                         [completions[i] for i in idx],
+                                         [logprobs[i] for i in idx] if logprobs is not None else None, rpf[idx])]
+        hint_log = {pid: dict(hints_tried={}, leaked=set(), failed=False) for pid, _ in groups}
+        for (pid, lvl), res in hints.items():
+            _log_hint(hint_log[pid], lvl, res)
+
+        # 3. further rounds, only for the groups the scheduler asks about
+        for _ in range(self.args.sage_max_rounds):
+            actions = {}
+            for pid, _ in groups:
+                if (a := self.scheduler.next_action(pid, [(t.level, t.rewards) for t in tries[pid]])) is not None:
+                    actions[pid] = a
+            if sum(gather_object([len(actions)])) == 0:
+                break
+            self._reroll(actions, tries, hint_log)
+
+        # 4. the trained group of each prompt
+        new_ids, new_comp, new_completions, new_lp, weights, final_rpf = self._finalize(groups, tries, rows)
+        self._final_rpf = final_rpf
+        self._row_weights = weights if bool((weights != 1).any()) else None
+        self._record(groups, tries, hint_log, rows)
+        m["sage/gen_seconds"].append(time.perf_counter() - t_start - self._hint_seconds)
+        m["sage/hint_seconds"].append(self._hint_seconds)
+        if hasattr(self.scheduler, "metrics"):
+            for k, v in self.scheduler.metrics().items():
+                m[f"sage/{k}"].append(v)
+        return new_ids, new_comp, None, new_completions, new_lp, extra, images, tool_images
+
+    def _make_try(self, level, hint, rows, prompt_ids, completion_ids, completions, logprobs, rpf) -> Try:
+        rewards = (rpf * self.reward_weights.to(rpf.device)).nansum(dim=1).tolist()
+        return Try(level, hint, rows, prompt_ids, completion_ids, completions, logprobs, rpf, rewards)
+
+    def _reroll(self, actions: dict[str, Action], tries: dict[str, list[Try]], hint_log) -> None:
+        """One more round of G rollouts for each group in `actions` (every process calls this together)."""
+        G = self.num_generations
+        fresh = {pid: self._draw_prompt(tries) for pid, a in actions.items() if a.mode == "new_prompt"}
+        asked = [(fresh.get(pid) or tries[pid][-1].rows[0], a.level) for pid, a in actions.items() if a.level > 0]
+        hints = self._get_hints(asked)
+        plan, batch = [], []
+        for pid, a in actions.items():
+            row = fresh.get(pid) or tries[pid][0].rows[0]
+            res = hints.get((row["prompt_id"], a.level)) if a.level > 0 else None
+            if res is not None:
+                _log_hint(hint_log[pid], a.level, res)
+            if a.level > 0 and (res is None or res.text is None):
+                tries[pid].append(Try(a.level, None, [row] * G, [], [], [], None,
+                                      torch.zeros(0, len(self.reward_funcs)), []))
+                continue  # no usable hint at this level: an empty try, the scheduler moves on
+            text = res.text if res is not None else None
+            plan.append((pid, a.level, text, row))
+            batch += [self._prompt(row, text)] * G
+        ids, comp_ids, comps, lps = self._roll(batch)
+        rows_flat = [row for (_, _, _, row) in plan for _ in range(G)]
+        rpf = self._score(rows_flat, batch, comps, comp_ids) if batch else None
+        for k, (pid, level, text, row) in enumerate(plan):
+            s = slice(k * G, (k + 1) * G)
+            tries[pid].append(self._make_try(level, text, [row] * G, ids[s], comp_ids[s], comps[s],
+                                             lps[s] if lps is not None else None, rpf[s]))
+        self._metrics["train"]["sage/reroll_groups"].append(float(len(plan)))
+
+    def _finalize(self, groups, tries, rows):
+        """Splice each prompt's selected rows into the batch; returns per-row outputs, weights and rewards."""
+        G, n = self.num_generations, len(rows)
+        ids, comp_ids, comps, lps = [None] * n, [None] * n, [None] * n, [None] * n
+        weights, rpf = torch.ones(n), torch.zeros(n, len(self.reward_funcs))
+        self._selections, observed = {}, []
+        for pid, idx in groups:
+            ts = tries[pid]
+            sel = self.scheduler.finalize(pid, [(t.level, t.rewards) for t in ts])
+            if len(sel.picks) != G:
+                raise RuntimeError(f"scheduler {self.scheduler.name} picked {len(sel.picks)} rows, expected {G}")
+            for slot, (ti, ri) in zip(idx, sel.picks, strict=True):
+                t = ts[ti]
+                ids[slot], comp_ids[slot], comps[slot] = t.prompt_ids[ri], t.completion_ids[ri], t.completions[ri]
+                lps[slot] = t.logprobs[ri] if t.logprobs is not None else None
+                rpf[slot], weights[slot] = t.rpf[ri], sel.weight
+                if t.rows[ri]["prompt_id"] != rows[slot]["prompt_id"]:  # a swapped-in prompt replaces the row
+                    rows[slot].clear()
+                    rows[slot].update(t.rows[ri])
+            self._selections[pid] = sel
+            observed.append((rows[idx[0]]["prompt_id"], ts[sel.picks[0][0]].level,
+                             [ts[ti].rewards[ri] for ti, ri in sel.picks]))
+        # every process replays every group's outcome, so scheduler state stays identical across processes
+        for pid, level, rewards in gather_object(observed):
+            self.scheduler.observe(pid, level, rewards)
+        return ids, comp_ids, comps, (None if all(x is None for x in lps) else lps), weights, rpf
+
+    # ------------------------------------------------------------------------------------------ pieces
+    def _prompt(self, row: dict, hint: str | None):
+        """The policy prompt for a row: its own prompt with the last user turn's problem extended by the hint."""
+        prompt = row["prompt"]
+        if not hint:
+            return prompt
+        if isinstance(prompt, str):
+            return hinted_problem(prompt, hint)
+        msgs = [dict(m) for m in prompt]
+        last = max(i for i, msg in enumerate(msgs) if msg["role"] == "user")
+        msgs[last]["content"] = hinted_problem(msgs[last]["content"], hint)
+        return msgs
+
+    def _score(self, rows, prompts, completions, completion_ids) -> torch.Tensor:
+        """Rewards per function for local rows, with no cross-process gather."""
+        rpf = torch.zeros(len(rows), len(self.reward_funcs))
+        if not rows:
+            return rpf
+        keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
+        kwargs = {k: [r.get(k) for r in rows] for k in keys}
+        kwargs.update(trainer_state=self.state, log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
+        for i, func in enumerate(self.reward_funcs):
+            out = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+            rpf[:, i] = torch.tensor([torch.nan if r is None else float(r) for r in out])
+        return rpf
+
+    def _roll(self, prompts: list):
+        """Generate one completion per prompt; every process generates the same count (padded)."""
+        n = len(prompts)
+        most = max(gather_object([n]))
+        if most == 0:
+            return [], [], [], None
+        pad = prompts[0] if prompts else self._pad_prompt()
+        ids, _, _ = self._tokenize_prompts(prompts + [pad] * (most - n))
+        comp_ids, lps = self._generate_single_turn(ids, None, {}, num_generations=1)
+        ids, comp_ids = list(ids[:n]), list(comp_ids[:n])
+        lps = list(lps[:n]) if lps is not None else None
+        texts = self.processing_class.batch_decode(comp_ids, skip_special_tokens=True)
+        comps = [[{"role": "assistant", "content": t}] for t in texts] if prompts and is_conversational(
+            {"prompt": prompts[0]}) else texts
+        self._metrics["train"]["sage/reroll_rows"].append(float(n))
+        return ids, comp_ids, comps, lps
+
+    def _pad_prompt(self):
+        return self._rows[0]["prompt"] if self._rows else [{"role": "user", "content": "1"}]
+
+    @contextmanager
+    def _max_new_tokens(self, n: int):
+        """Hints are short: cap generation length while writing them, on both back-ends."""
+        gen = self.vllm_generation if self.use_vllm else self.generation_config
+        attr = "max_completion_length" if self.use_vllm else "max_new_tokens"
+        old = getattr(gen, attr)
+        setattr(gen, attr, n)
+        try:
+            yield
+        finally:
+            setattr(gen, attr, old)
+
+    def _policy_generate(self, chats: list, max_new_tokens: int) -> list[str]:
+        with self._max_new_tokens(max_new_tokens):
+            _, comp_ids, _, _ = self._roll(chats)
+        return self.processing_class.batch_decode(comp_ids, skip_special_tokens=True) if comp_ids else []
+
+    def _hint_context(self) -> HintContext:
+        return HintContext(generate=self._policy_generate, max_new_tokens=self.args.hint_max_tokens,
+                           retries=self.args.hint_retries,
+                           gather=lambda xs: gather_object(xs),
+                           rank=self.accelerator.process_index, world=self.accelerator.num_processes)
+
+    def _get_hints(self, asked: list[tuple[dict, int]]) -> dict[tuple[str, int], HintResult]:
+        """Hints for (row, level) pairs; called by every process each round, possibly with nothing to ask."""
+        if not self.scheduler.uses_hints:
+            return {}
+        t0 = time.perf_counter()
+        reqs = [HintRequest(r["prompt_id"], r.get("problem") or _problem_of(r), r.get("solution") or "",
+                            str(r["answer"]), lvl) for r, lvl in asked]
+        results = self.hint_source.get(reqs, self._hint_context())
+        self._hint_seconds += time.perf_counter() - t0
+        return {(q.prompt_id, q.level): res for q, res in zip(reqs, results, strict=True)}
+
+    def _prepare_hints(self) -> None:
+        """Before the first update: sources that need the initial policy (fixed hints) write their hints now."""
+        self._hints_prepared = True
+        if self.scheduler.uses_hints:
+            rows = [dict(r) for r in self.train_dataset]
+            for r in rows:
+                r.setdefault("problem", _problem_of(r))
+            t0 = time.perf_counter()
+            self.hint_source.prepare(rows, self._hint_context())
+            self._metrics["train"]["sage/hint_prepare_seconds"].append(time.perf_counter() - t0)
+
+    def _draw_prompt(self, tries) -> dict:
+        """A fresh prompt from the train set, not in this batch (methods that resample prompts)."""
+        if self._pool is None:
+            gen = torch.Generator().manual_seed(self.args.seed + self.accelerator.process_index)
+            self._pool = iter(torch.randperm(len(self.train_dataset), generator=gen).tolist() * 1000)
+        in_batch = {t.rows[0]["prompt_id"] for ts in tries.values() for t in ts}
+        for i in self._pool:
+            row = dict(self.train_dataset[i])
+            if row["prompt_id"] not in in_batch:
+                return row
+        raise RuntimeError("no fresh prompt left to draw")
+
+    def _record(self, groups, tries, hint_log, rows) -> None:
+        """Tracker rows for this step and the step's sage/* metrics, computed on all processes' groups."""
+        method, recs = self.scheduler.name, []
+        for pid, idx in groups:
+            ts = tries[pid]
+            first, sel = ts[0], self._selections[pid]
+            final = ts[sel.picks[0][0]]
+            final_rewards = [ts[ti].rewards[ri] for ti, ri in sel.picks]
+            base_state = gate.group_state(first.rewards) if first.level == 0 else "na"
+            first_state = gate.group_state(first.rewards)
+            acc = {lvl: None for lvl in LEVELS}
+            for t in ts:
+                if t.level > 0 and t.rewards:
+                    acc[t.level] = gate.pass_rate(t.rewards)
+            h = hint_log[pid]
+            row = rows[idx[0]]
+            recs.append(dict(
+                prompt_id=row["prompt_id"], origin_id=pid, problem=row.get("problem") or _problem_of(row),
+                answer=str(row.get("answer")), difficulty=int(row.get("difficulty", -1) or -1),
+                base_pass_rate=gate.pass_rate(first.rewards) if first.level == 0 else float("nan"),
+                base_state=base_state, first_state=first_state, first_level=first.level, level=final.level,
+                max_level_tried=max(t.level for t in ts), pass_rate=gate.pass_rate(final_rewards),
+                rescued=first_state != "mixed" and not gate.collapsed(final_rewards), hint=final.hint,
+                hint_l1=h["hints_tried"].get(1), hint_l2=h["hints_tried"].get(2), hint_l3=h["hints_tried"].get(3),
+                acc_l1=acc[1], acc_l2=acc[2], acc_l3=acc[3],
+                leak_l1=1 in h["leaked"], leak_l2=2 in h["leaked"], leak_l3=3 in h["leaked"],
+                hint_failed=h["failed"], rollouts=sum(len(t.rewards) for t in ts),
+                completions=[_text(ts[ti].completions[ri]) for ti, ri in sel.picks], rewards=final_rewards,
+                energy=gate.advantage_energy(final_rewards), weight=sel.weight, method=method,
+            ))
+        recs = gather_object(recs)
+        step = self.state.global_step + 1
+        self.tracker.record(step, recs)
+        m, n = self._metrics["train"], len(recs)
+        states = [r["first_state"] for r in recs]
+        m["sage/frac_collapsed"].append(sum(s != "mixed" for s in states) / n)
+        m["sage/frac_all_zero"].append(states.count("all0") / n)
+        m["sage/frac_all_one"].append(states.count("all1") / n)
+        m["sage/frac_rescued"].append(sum(r["rescued"] for r in recs) / n)
+        m["sage/rescued_groups"].append(float(sum(r["rescued"] for r in recs)))
+        hinted = [r for r in recs if r["max_level_tried"] > 0 and r["first_level"] == 0]
+        m["sage/rescue_rate"].append(sum(r["rescued"] for r in hinted) / len(hinted) if hinted else float("nan"))
+        for lvl in (0, *LEVELS):
+            m[f"sage/level_{lvl}_frac"].append(sum(r["level"] == lvl for r in recs) / n)
+        for lvl in LEVELS:
+            accs = [r[f"acc_l{lvl}"] for r in recs if r[f"acc_l{lvl}"] is not None]
+            m[f"sage/level_{lvl}_acc"].append(sum(accs) / len(accs) if accs else float("nan"))
+        m["sage/hint_failed"].append(float(sum(r["hint_failed"] for r in recs)))
+        m["sage/hint_leaks"].append(float(sum(r[f"leak_l{lvl}"] for r in recs for lvl in LEVELS)))
+        m["sage/never_solved"].append(self.tracker.never_solved())
+        m["sage/never_solved_no_hint"].append(self.tracker.never_solved_no_hint())
+        m["sage/adv_energy"].append(sum(r["energy"] for r in recs) / n)
+        m["sage/rollouts"].append(float(sum(r["rollouts"] for r in recs)))
+        base = [r["base_pass_rate"] for r in recs if r["first_level"] == 0]
+        m["sage/base_pass_rate"].append(sum(base) / len(base) if base else float("nan"))
+
+    # ------------------------------------------------------------------------------------------ resume
+    def restore_state(self, up_to_step: int) -> int:
+        """Replay the tracker files of steps <= up_to_step into the tracker and the scheduler; returns the count."""
+        count = 0
+        for rec in self.tracker.reload(up_to_step):
+            self.scheduler.observe(rec["prompt_id"], int(rec["level"]), [float(x) for x in rec["rewards"]])
+            count += 1
+        return count
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _groups_by_prompt_id(rows: list[dict], G: int) -> list[tuple[str, list[int]]]:
+    """Groups keyed by prompt id. TRL's sampler lays each prompt's G rows out contiguously; check it rather than
+    trust positions, and fail loudly if a group is split or mixed."""
+    if "prompt_id" not in rows[0]:
+        raise ValueError("SAGE needs a unique `prompt_id` column in the dataset (groups are keyed by it)")
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        groups[str(r["prompt_id"])].append(i)
+    for pid, idx in groups.items():
+        if len(idx) != G or idx != list(range(idx[0], idx[0] + G)):
+            raise RuntimeError(f"prompt {pid!r} has rows {idx} on this process; expected {G} contiguous rows")
+    return list(groups.items())
+
+
+def _log_hint(log: dict, level: int, res: HintResult) -> None:
+    if res.text is not None:
+        log["hints_tried"][level] = res.text
+    if res.leaked:
+        log["leaked"].add(level)
+    if res.failed:
+        log["failed"] = True
+
+
+def _problem_of(row: dict) -> str:
+    p = row["prompt"]
+    return p if isinstance(p, str) else [m for m in p if m["role"] == "user"][-1]["content"]
+
+
+def _text(completion) -> str:
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
