@@ -1,0 +1,350 @@
+"""`sage`: the command line of SAGE Studio.
+
+    sage presets                                   list the named presets
+    sage spec  --preset tiny-cpu [--set k=v ...]   print the validated RunSpec as JSON
+    sage train --preset tiny-cpu [--spec f.json] [--set k=v ...] [--output-dir DIR] [--mlflow]
+    sage eval  --model PATH --benchmark name=path [--benchmark ...] [--k 4] [--num-prompts 32]
+    sage launch --preset qwen2.5-7b [--gpus 0,1,...] [--config zero3] [--vllm-mode server] [--dry-run]
+
+A spec is built in three layers: the preset (if any), then the JSON file given with --spec, then each --set.
+An invalid value exits with code 2 and a message naming the field. Heavy imports (torch, trl, mlflow) happen
+only inside the command that needs them, so `sage --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class SpecError(Exception):
+    """A spec that cannot be built; the message is shown as is and the exit code is 2."""
+
+
+# ---------------------------------------------------------------------------------------------- spec building
+def parse_sets(pairs: list[str] | None) -> dict[str, Any]:
+    """`key=value` strings to a dict. Values stay strings (pydantic coerces '5', '1e-6', 'true' to the field's
+    type); 'none'/'null' become None. Unknown keys are rejected with a suggestion."""
+    from .spec import RunSpec
+
+    fields = RunSpec.model_fields
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise SpecError(f"--set expects key=value, got {pair!r}")
+        key, value = pair.split("=", 1)
+        key = key.strip().replace("-", "_")
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise SpecError(f"unknown RunSpec field {key!r} in --set {pair!r}{hint}")
+        out[key] = None if value.strip().lower() in ("none", "null") else value
+    return out
+
+
+def load_spec_file(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"--spec: no such file {str(p)!r}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecError(f"--spec {str(p)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"--spec {str(p)!r} must hold a JSON object of RunSpec fields")
+    return data
+
+
+def format_validation_error(err: Exception) -> str:
+    """A pydantic ValidationError as one line per field: `  - field: message (got value)`."""
+    lines = ["invalid run spec:"]
+    for e in err.errors():  # type: ignore[attr-defined]
+        loc = ".".join(str(x) for x in e.get("loc", ())) or "spec"
+        msg = e.get("msg", "invalid")
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        got = e.get("input")
+        shown = "" if loc == "spec" or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"  - {loc}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def build_spec(preset: str | None = None, spec_file: str | None = None, sets: list[str] | None = None):
+    """preset -> spec file -> --set, validated. Raises SpecError with a readable message."""
+    from pydantic import ValidationError
+
+    from .presets import PRESETS
+    from .spec import RunSpec
+
+    fields: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            close = difflib.get_close_matches(preset, list(PRESETS), n=2)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise SpecError(f"unknown preset {preset!r}{hint}; choose one of {', '.join(PRESETS)}")
+        fields.update(PRESETS[preset])
+    if spec_file is not None:
+        fields.update(load_spec_file(spec_file))
+    fields.update(parse_sets(sets))
+    try:
+        return RunSpec(**fields)
+    except ValidationError as e:
+        raise SpecError(format_validation_error(e)) from None
+
+
+def sage_home() -> Path:
+    return Path(os.environ.get("SAGE_HOME", ".sage")).expanduser().resolve()
+
+
+def default_output_dir(spec) -> Path:
+    """`$SAGE_HOME/runs/<method>-<spec key>`: the same spec resumes in the same folder."""
+    return sage_home() / "runs" / f"{spec.method}-{spec.key()}"
+
+
+def _is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if hasattr(obj, "to_dict") and callable(obj.to_dict):  # e.g. a pandas DataFrame
+        try:
+            return _jsonable(obj.to_dict(orient="records"))
+        except TypeError:
+            return _jsonable(obj.to_dict())
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        try:
+            return obj.item()
+        except (TypeError, ValueError):
+            pass
+    return repr(obj)
+
+
+def result_dict(result: Any) -> dict[str, Any]:
+    """TrainResult (a dataclass: output_dir, checkpoint_dir, tracker_dir, global_step, wall_seconds, summary,
+    eval) as a JSON-able dict."""
+    d = _jsonable(result)
+    if not isinstance(d, dict):
+        d = {k: _jsonable(getattr(result, k, None)) for k in ("output_dir", "checkpoint_dir", "tracker_dir",
+                                                                "global_step", "wall_seconds", "summary", "eval")}
+    return d
+
+
+# ---------------------------------------------------------------------------------------------- commands
+def _tracking_callbacks(spec, args) -> list:
+    """The MLflow callback of sage_core.tracking (imported only with --mlflow)."""
+    from . import tracking
+
+    factory = getattr(tracking, "make_callback", None) or getattr(tracking, "SageMlflowCallback", None)
+    if factory is None:
+        raise SpecError("sage_core.tracking has no make_callback/SageMlflowCallback; run without --mlflow")
+    kwargs: dict[str, Any] = {}
+    if args.experiment:
+        kwargs["experiment"] = args.experiment
+    return [factory(spec, **kwargs)]
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    spec = build_spec(args.preset, args.spec, args.set)
+    out = Path(args.output_dir).resolve() if args.output_dir else default_output_dir(spec)
+    callbacks = _tracking_callbacks(spec, args) if args.mlflow else []
+    if _is_main_process():
+        print(f"sage train: method={spec.method} model={spec.model} steps={spec.max_steps} -> {out}", flush=True)
+    from .train import train
+
+    result = train(spec, out, callbacks=callbacks, resume=not args.no_resume)
+    if _is_main_process():
+        d = result_dict(result)
+        out.mkdir(parents=True, exist_ok=True)
+        from .launch import RESULT_FILE
+
+        (out / RESULT_FILE).write_text(json.dumps(d, indent=2, default=repr))
+        brief = {k: d.get(k) for k in ("output_dir", "global_step", "wall_seconds")}
+        print("sage train: done " + json.dumps(brief), flush=True)
+        summary = d.get("summary")
+        if summary:
+            print(json.dumps(summary, indent=2, default=repr), flush=True)
+    return 0
+
+
+def parse_benchmarks(pairs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise SpecError(f"--benchmark expects name=path, got {pair!r}")
+        if name in out:
+            raise SpecError(f"--benchmark {name!r} given twice")
+        out[name.strip()] = path.strip()
+    return out
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    benchmarks = parse_benchmarks(args.benchmark)
+    spec = build_spec(args.preset, args.spec, args.set)
+    updates: dict[str, Any] = {}
+    for name, field in (("k", "eval_k"), ("num_prompts", "eval_num_prompts"), ("temperature", "eval_temperature"),
+                        ("top_p", "eval_top_p")):
+        if getattr(args, name) is not None:
+            updates[field] = getattr(args, name)
+    if updates:
+        from pydantic import ValidationError
+
+        from .spec import RunSpec
+
+        try:
+            spec = RunSpec(**{**spec.model_dump(), **updates})
+        except ValidationError as e:
+            raise SpecError(format_validation_error(e)) from None
+    from .evaluate import evaluate
+
+    table = evaluate(args.model, benchmarks, spec=spec)
+    rows = _jsonable(table)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        if hasattr(table, "to_parquet") and args.output.endswith(".parquet"):
+            table.to_parquet(args.output)
+        else:
+            Path(args.output).write_text(json.dumps(rows, indent=2))
+    if hasattr(table, "to_string"):
+        print(table.to_string(index=False))
+    else:
+        print(json.dumps(rows, indent=2))
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from .presets import PRESETS, preset
+
+    print(f"{'preset':<14} {'model':<32} {'method':<6} {'steps':>5} {'prompts x G':>11}  generation")
+    for name in PRESETS:
+        s = preset(name)
+        gen = f"vllm-{s.vllm_mode}" if s.use_vllm else "transformers"
+        print(f"{name:<14} {s.model:<32} {s.method:<6} {s.max_steps:>5} "
+              f"{f'{s.prompts_per_step} x {s.num_generations}':>11}  {gen}")
+    return 0
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    spec = build_spec(args.preset, args.spec, args.set)
+    print(spec.model_dump_json(indent=2))
+    return 0
+
+
+def _parse_gpus(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit() and "," not in value:
+        return list(range(int(value)))
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise SpecError(f"--gpus expects a count (8) or ids (0,1,2), got {value!r}") from None
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from . import launch as L
+
+    spec = build_spec(args.preset, args.spec, args.set)
+    out = Path(args.output_dir).resolve() if args.output_dir else default_output_dir(spec)
+    kw = dict(gpus=_parse_gpus(args.gpus), config=args.config, vllm_mode=args.vllm_mode,
+              server_gpus=args.server_gpus, port=args.port, server_gpu_mem=args.server_gpu_mem)
+    try:
+        if args.dry_run:
+            p = L.plan(spec, out, **kw)
+            print(f"# layout: {p.layout.describe()}")
+            print(f"# spec file: {p.spec_path} (written by launch)")
+            print(p.shell())
+            return 0
+        res = L.launch(spec, out, check=False, **kw)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+    return res.returncode
+
+
+# ---------------------------------------------------------------------------------------------- parser
+def _add_spec_args(p: argparse.ArgumentParser, preset_default: str | None = None) -> None:
+    p.add_argument("--preset", default=preset_default, help="named preset (see `sage presets`)")
+    p.add_argument("--spec", metavar="FILE", help="JSON file of RunSpec fields (applied over the preset)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
+                   help="override one RunSpec field, e.g. --set method=grpo --set max_steps=4 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sage", description="SAGE Studio: GRPO with self-hints from the "
+                                     "reference solution, on TRL.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("train", help="train one RunSpec", description="Train one RunSpec (preset -> --spec -> "
+                       "--set). Under `accelerate launch` every rank runs this command.")
+    _add_spec_args(p)
+    p.add_argument("--output-dir", help="run folder (default $SAGE_HOME/runs/<method>-<spec key>)")
+    p.add_argument("--mlflow", action="store_true", help="log to MLflow (MLFLOW_TRACKING_URI or $SAGE_HOME)")
+    p.add_argument("--experiment", help="MLflow experiment name (with --mlflow)")
+    p.add_argument("--no-resume", action="store_true", help="start fresh even if the output dir has checkpoints")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="no-hint avg@k / pass@k of a model on benchmarks")
+    p.add_argument("--model", required=True, help="model path (a run's checkpoint/), 'tiny', or an HF id")
+    p.add_argument("--benchmark", action="append", required=True, metavar="NAME=PATH",
+                   help="benchmark name and .parquet/.jsonl file (or 'synthetic'); repeatable")
+    _add_spec_args(p)
+    p.add_argument("--k", type=int, help="samples per prompt (spec eval_k)")
+    p.add_argument("--num-prompts", type=int, help="prompts per benchmark (spec eval_num_prompts)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (spec eval_temperature)")
+    p.add_argument("--top-p", type=float, help="nucleus p (spec eval_top_p)")
+    p.add_argument("--output", help="write the table to this .parquet or .json file")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("presets", help="list the named presets")
+    p.set_defaults(func=cmd_presets)
+
+    p = sub.add_parser("spec", help="print a validated RunSpec as JSON")
+    _add_spec_args(p, preset_default="tiny-cpu")
+    p.set_defaults(func=cmd_spec)
+
+    p = sub.add_parser("launch", help="run a spec on GPUs with accelerate launch (+ vllm serve in server mode)")
+    _add_spec_args(p)
+    p.add_argument("--output-dir", help="run folder (default $SAGE_HOME/runs/<method>-<spec key>)")
+    p.add_argument("--gpus", help="GPU count (8) or ids (0,1,2,3); default: all visible")
+    p.add_argument("--config", choices=["zero3", "fsdp", "multi_gpu", "single_gpu"],
+                   help="accelerate config (default single_gpu for 1 process, zero3 otherwise)")
+    p.add_argument("--vllm-mode", choices=["colocate", "server"], help="override the spec's vllm_mode")
+    p.add_argument("--server-gpus", type=int, default=1, help="GPUs for vllm serve (tensor parallel), server mode")
+    p.add_argument("--port", type=int, default=8000, help="vllm serve port, server mode")
+    p.add_argument("--server-gpu-mem", type=float, default=0.9, help="vllm serve --gpu-memory-utilization")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.set_defaults(func=cmd_launch)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except SpecError as e:
+        print(f"sage {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""Launch a RunSpec on GPUs with `accelerate launch` (DeepSpeed ZeRO-3, FSDP2, DDP or one GPU) and, in vLLM
+server mode, a `vllm serve` process on its own GPUs, the way TRL 1.16 expects.
+
+Two layouts (see docs/gpu.md):
+- **colocate**: every GPU trains and runs its own vLLM engine (`use_vllm=True, vllm_mode="colocate"`).
+- **server**: `vllm serve` on GPU 0 (or the first `server_gpus` GPUs, tensor parallel), training on the rest;
+  the trainer reaches the server at `vllm_server_base_url` and pushes weights over NCCL (port 51216).
+
+Nothing here imports torch or vllm at module import; the command builders are pure functions so they are
+unit-tested on CPU (tests/test_launch.py). `launch()` runs the commands as subprocesses and streams their logs;
+the Prefect flows call it for the GPU presets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .spec import RunSpec
+
+AccelerateConfig = Literal["zero3", "fsdp", "multi_gpu", "single_gpu"]
+ACCELERATE_CONFIGS: tuple[str, ...] = ("zero3", "fsdp", "multi_gpu", "single_gpu")
+
+# vLLM flags TRL 1.16's server client relies on (trl/scripts/vllm_serve.py::build_command): the NCCL
+# weight-transfer engine, log-probs after temperature (importance-sampling correction), no cap on logprobs.
+TRL_VLLM_SERVER_FLAGS: tuple[str, ...] = (
+    "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+    "--logprobs-mode", "processed_logprobs",
+    "--max-logprobs", "-1",
+)
+VLLM_GROUP_PORT = 51216  # TRL's default `vllm_group_port` (NCCL weight transfer); must be free on the host
+RESULT_FILE = "train_result.json"  # written by `sage train` (sage_core.cli) in the output dir
+
+
+def config_dir() -> Path:
+    """Folder holding the accelerate YAMLs: $SAGE_ACCELERATE_CONFIG_DIR, else `configs/accelerate` of the source
+    checkout this module lives in, else of the current directory."""
+    env = os.environ.get("SAGE_ACCELERATE_CONFIG_DIR")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
+    if here.is_dir():
+        return here
+    return Path.cwd() / "configs" / "accelerate"
+
+
+def config_path(config: str) -> Path:
+    if config not in ACCELERATE_CONFIGS:
+        raise ValueError(f"unknown accelerate config {config!r}; choose one of {list(ACCELERATE_CONFIGS)}")
+    return config_dir() / f"{config}.yaml"
+
+
+def rows_per_step(spec: RunSpec) -> int:
+    """Completions in one step's generation batch (before any SAGE re-roll): prompts_per_step x G."""
+    return spec.prompts_per_step * spec.num_generations
+
+
+def check_divisible(spec: RunSpec, num_processes: int) -> None:
+    """Every rank must get the same number of completions (TRL splits the generation batch evenly and SAGE's
+    re-roll keeps per-rank counts equal), so prompts_per_step x num_generations must divide by the ranks."""
+    rows = rows_per_step(spec)
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+    if rows % num_processes:
+        raise ValueError(
+            f"prompts_per_step x num_generations = {spec.prompts_per_step} x {spec.num_generations} = {rows} "
+            f"completions per step do not split over {num_processes} training processes; choose "
+            f"prompts_per_step so that the product is a multiple of {num_processes}")
+
+
+def default_config(num_processes: int) -> str:
+    """single_gpu for one process, ZeRO-3 otherwise (the paper's 8-GPU setting)."""
+    return "single_gpu" if num_processes == 1 else "zero3"
+
+
+def _accelerate_bin() -> str:
+    """The `accelerate` script of this interpreter's environment (a Prefect worker's PATH may not have it)."""
+    here = Path(sys.executable).with_name("accelerate")
+    if here.exists():
+        return str(here)
+    return shutil.which("accelerate") or "accelerate"
+
+
+def accelerate_command(spec: RunSpec, *, config: str = "zero3", num_processes: int, spec_path: str | os.PathLike,
+                       output_dir: str | os.PathLike, main_process_port: int | None = None,
+                       extra_args: Sequence[str] = ()) -> list[str]:
+    """`accelerate launch --config_file configs/accelerate/<config>.yaml --num_processes N -m sage_core.cli train
+    --spec SPEC --output-dir DIR`. `spec` is only used to check the batch split; the ranks read `spec_path`."""
+    path = config_path(config)
+    if config == "single_gpu" and num_processes != 1:
+        raise ValueError(f"config 'single_gpu' runs one process, got num_processes={num_processes}; "
+                         "use 'zero3', 'fsdp' or 'multi_gpu'")
+    check_divisible(spec, num_processes)
+    cmd = [_accelerate_bin(), "launch", "--config_file", str(path), "--num_processes", str(num_processes)]
+    if main_process_port is not None:
+        cmd += ["--main_process_port", str(main_process_port)]
+    cmd += ["-m", "sage_core.cli", "train", "--spec", str(spec_path), "--output-dir", str(output_dir),
+            *extra_args]
+    return cmd
+
+
+def vllm_server_command(model: str, tp: int = 1, port: int = 8000, gpu_mem: float = 0.9, *, host: str = "0.0.0.0",
+                        max_model_len: int | None = None, dtype: str = "auto",
+                        extra_args: Sequence[str] = ()) -> list[str]:
+    """`vllm serve MODEL ...` with the flags TRL 1.16's VLLMClient needs. Run it with `vllm_server_env(...)`
+    (VLLM_SERVER_DEV_MODE=1 exposes the weight-transfer and prefix-cache endpoints)."""
+    if tp < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
+    if not 0.0 < gpu_mem <= 1.0:
+        raise ValueError(f"gpu_mem must be in (0, 1], got {gpu_mem}")
+    cmd = ["vllm", "serve", model, "--host", host, "--port", str(port), "--tensor-parallel-size", str(tp),
+           "--data-parallel-size", "1", "--gpu-memory-utilization", str(gpu_mem), "--dtype", dtype]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    return cmd + list(TRL_VLLM_SERVER_FLAGS) + list(extra_args)
+
+
+def vllm_server_env(gpus: Sequence[int], base: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    return env
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """Which GPUs train and which serve vLLM. `mode` is 'colocate', 'server' or 'hf' (no vLLM: transformers
+    generate on the training GPUs). GPU ids are physical indices (before CUDA_VISIBLE_DEVICES remapping)."""
+
+    mode: Literal["colocate", "server", "hf"]
+    train_gpus: tuple[int, ...]
+    server_gpus: tuple[int, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.train_gpus)
+
+    @property
+    def server_tp(self) -> int:
+        return len(self.server_gpus)
+
+    def describe(self) -> str:
+        s = f"{self.mode}: train on GPU {list(self.train_gpus)} ({self.num_processes} process(es))"
+        if self.server_gpus:
+            s += f", vllm serve on GPU {list(self.server_gpus)} (tp={self.server_tp})"
+        return s + "".join(f"; {n}" for n in self.notes)
+
+
+def plan_layout(spec: RunSpec, n_gpus: int, *, vllm_mode: str | None = None, server_gpus: int = 1,
+                gpu_ids: Sequence[int] | None = None) -> GpuLayout:
+    """Decide the layout for `n_gpus` GPUs.
+
+    - no vLLM, or colocate: all GPUs train (colocate: each rank also hosts a vLLM engine).
+    - server: `server_gpus` GPUs (tensor parallel) serve, the rest train. When the per-step completions do not
+      split evenly over the remaining GPUs, the largest count that does is used and the rest stay idle (noted);
+      e.g. 8 GPUs, 1 server, 128 prompts x 8 = 1024 completions: 7 trainers do not divide 1024, so 4 train.
+      Choose prompts_per_step as a multiple of 7 (e.g. 112) to use all 7.
+    """
+    ids = tuple(gpu_ids) if gpu_ids is not None else tuple(range(n_gpus))
+    if len(ids) != n_gpus:
+        raise ValueError(f"gpu_ids {list(ids)} do not match n_gpus={n_gpus}")
+    if n_gpus < 1:
+        raise ValueError("no CUDA GPU visible: sage_core.launch is for GPU runs; on CPU run `sage train` directly")
+    mode = (vllm_mode or spec.vllm_mode) if spec.use_vllm else "hf"
+    if mode not in ("colocate", "server", "hf"):
+        raise ValueError(f"unknown vllm mode {mode!r}")
+    if mode != "server":
+        check_divisible(spec, n_gpus)
+        return GpuLayout(mode=mode, train_gpus=ids)
+    if server_gpus < 1:
+        raise ValueError(f"server_gpus must be >= 1, got {server_gpus}")
+    if n_gpus < server_gpus + 1:
+        raise ValueError(f"vLLM server mode needs at least {server_gpus + 1} GPUs ({server_gpus} for the server, "
+                         f"1 to train), found {n_gpus}; use vllm_mode='colocate' on a single GPU")
+    serve, rest = ids[:server_gpus], ids[server_gpus:]
+    rows = rows_per_step(spec)
+    k = max(d for d in range(1, len(rest) + 1) if rows % d == 0)
+    notes: tuple[str, ...] = ()
+    if k < len(rest):
+        notes = (f"{rows} completions per step do not split over {len(rest)} trainers: using {k}, "
+                 f"GPU {list(rest[k:])} idle (set prompts_per_step so that prompts_per_step x num_generations "
+                 f"is a multiple of {len(rest)})",)
+    return GpuLayout(mode="server", train_gpus=rest[:k], server_gpus=serve, notes=notes)
+
+
+def visible_gpus() -> list[int]:
+    """Physical ids of the visible CUDA GPUs (CUDA_VISIBLE_DEVICES, else torch's count, else nvidia-smi)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [int(x) for x in env.split(",") if x.strip().isdigit()]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return list(range(torch.cuda.device_count()))
+        return []
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return []
+    out = subprocess.run([smi, "-L"], capture_output=True, text=True, check=False).stdout
+    return [i for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+@dataclass
+class LaunchPlan:
+    """Everything `launch()` will run, for printing (`sage launch --dry-run`) and for tests."""
+
+    layout: GpuLayout
+    spec: RunSpec
+    spec_path: Path
+    output_dir: Path
+    train_cmd: list[str]
+    train_env: dict[str, str] = field(repr=False)
+    server_cmd: list[str] | None = None
+    server_env: dict[str, str] | None = field(default=None, repr=False)
+    server_url: str | None = None
+
+    def shell(self) -> str:
+        """The plan as shell lines a person can paste."""
+        import shlex
+
+        lines = []
+        if self.server_cmd:
+            lines.append(f"CUDA_VISIBLE_DEVICES={','.join(map(str, self.layout.server_gpus))} "
+                         f"VLLM_SERVER_DEV_MODE=1 {shlex.join(self.server_cmd)} &")
+        lines.append(f"CUDA_VISIBLE_DEVICES={','.join(map(str, self.layout.train_gpus))} "
+                     f"{shlex.join(self.train_cmd)}")
+        return "\n".join(lines)
+
+
+def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[int] | None = None,
+         config: str | None = None, vllm_mode: str | None = None, server_gpus: int = 1, port: int = 8000,
+         server_gpu_mem: float = 0.9, main_process_port: int | None = None,
+         env: Mapping[str, str] | None = None) -> LaunchPlan:
+    """Build the commands without running anything. `gpus` defaults to the visible GPUs."""
+    ids = list(gpus) if gpus is not None else visible_gpus()
+    layout = plan_layout(spec, len(ids), vllm_mode=vllm_mode, server_gpus=server_gpus, gpu_ids=ids)
+    out = Path(output_dir).resolve()
+    server_url = f"http://127.0.0.1:{port}" if layout.mode == "server" else None
+    updates: dict[str, object] = {}
+    if spec.use_vllm:
+        updates["vllm_mode"] = layout.mode
+    if server_url and not spec.vllm_server_base_url:
+        updates["vllm_server_base_url"] = server_url
+    run_spec = spec.model_copy(update=updates) if updates else spec
+    run_spec = RunSpec.model_validate(run_spec.model_dump())  # re-validate after the update
+    spec_path = out / "launch_spec.json"
+    cfg = config or default_config(layout.num_processes)
+    train_cmd = accelerate_command(run_spec, config=cfg, num_processes=layout.num_processes, spec_path=spec_path,
+                                   output_dir=out, main_process_port=main_process_port)
+    base = dict(os.environ if env is None else env)
+    train_env = {**base, "CUDA_VISIBLE_DEVICES": ",".join(map(str, layout.train_gpus))}
+    server_cmd = server_env = None
+    if layout.mode == "server":
+        server_cmd = vllm_server_command(spec.model, tp=layout.server_tp, port=port, gpu_mem=server_gpu_mem,
+                                         max_model_len=_max_model_len(spec))
+        server_env = vllm_server_env(layout.server_gpus, base)
+    return LaunchPlan(layout=layout, spec=run_spec, spec_path=spec_path, output_dir=out, train_cmd=train_cmd,
+                      train_env=train_env, server_cmd=server_cmd, server_env=server_env,
+                      server_url=run_spec.vllm_server_base_url if layout.mode == "server" else None)
+
+
+def _max_model_len(spec: RunSpec) -> int | None:
+    """Longest sequence the server must hold: prompt + hint (SAGE's hinted prompt is longer) + completion, plus
+    256 tokens for the hint template's own words. None (the model's own limit) when the prompt length is open."""
+    if spec.max_prompt_length is None:
+        return None
+    return spec.max_prompt_length + spec.hint_max_tokens + 256 + spec.max_completion_length
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    plan: LaunchPlan
+    log_path: Path
+    result: dict | None  # the TrainResult `sage train` wrote (train_result.json), None if it failed
+    tail: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def _pump(stream, sink: Callable[[str], None], fh, tail: deque | None) -> None:
+    for line in iter(stream.readline, ""):
+        line = line.rstrip("\n")
+        fh.write(line + "\n")
+        fh.flush()
+        if tail is not None:
+            tail.append(line)
+        sink(line)
+    stream.close()
+
+
+def wait_for_server(url: str, timeout: float = 900.0, proc: subprocess.Popen | None = None,
+                    interval: float = 5.0) -> None:
+    """Poll `url`/health until it answers 200; raise if `proc` exits first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with code {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(interval)
+    raise TimeoutError(f"vllm serve at {url} not healthy after {timeout:.0f}s")
+
+
+def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[int] | None = None,
+           config: str | None = None, vllm_mode: str | None = None, server_gpus: int = 1, port: int = 8000,
+           server_gpu_mem: float = 0.9, main_process_port: int | None = None,
+           log: Callable[[str], None] = print, server_timeout: float = 900.0, check: bool = True,
+           env: Mapping[str, str] | None = None) -> LaunchResult:
+    """Run `spec` on the GPUs: start `vllm serve` first in server mode (and wait for /health), then
+    `accelerate launch ... -m sage_core.cli train`. Every output line goes to `log` (the flows pass their Prefect
+    logger) and to `<output_dir>/launch.log` (the server's to `vllm_server.log`). Returns the exit code and the
+    TrainResult dict the ranks wrote; with `check=True` a non-zero exit raises RuntimeError with the log tail."""
+    p = plan(spec, output_dir, gpus=gpus, config=config, vllm_mode=vllm_mode, server_gpus=server_gpus, port=port,
+             server_gpu_mem=server_gpu_mem, main_process_port=main_process_port, env=env)
+    p.output_dir.mkdir(parents=True, exist_ok=True)
+    p.spec_path.write_text(p.spec.model_dump_json(indent=2))
+    (p.output_dir / RESULT_FILE).unlink(missing_ok=True)
+    log(f"[sage.launch] layout {p.layout.describe()}")
+    log_path = p.output_dir / "launch.log"
+    server = None
+    threads: list[threading.Thread] = []
+    tail: deque[str] = deque(maxlen=60)
+    server_fh = None
+    try:
+        if p.server_cmd is not None:
+            log(f"[sage.launch] starting: {' '.join(p.server_cmd)}")
+            server_fh = open(p.output_dir / "vllm_server.log", "a")
+            server = subprocess.Popen(p.server_cmd, env=p.server_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, bufsize=1)
+            t = threading.Thread(target=_pump, args=(server.stdout, lambda s: log(f"[vllm] {s}"), server_fh, None),
+                                 daemon=True)
+            t.start()
+            threads.append(t)
+            wait_for_server(p.server_url or f"http://127.0.0.1:{port}", server_timeout, server)
+            log(f"[sage.launch] vllm serve healthy at {p.server_url}")
+        log(f"[sage.launch] running: {' '.join(p.train_cmd)}")
+        with open(log_path, "a") as fh:
+            proc = subprocess.Popen(p.train_cmd, env=p.train_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, bufsize=1, cwd=str(Path.cwd()))
+            _pump(proc.stdout, log, fh, tail)
+            rc = proc.wait()
+    finally:
+        if server is not None and server.poll() is None:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+        for t in threads:
+            t.join(timeout=5)
+        if server_fh is not None:
+            server_fh.close()
+    result = None
+    rfile = p.output_dir / RESULT_FILE
+    if rc == 0 and rfile.exists():
+        result = json.loads(rfile.read_text())
+    out = LaunchResult(returncode=rc, plan=p, log_path=log_path, result=result, tail=list(tail))
+    if check and rc != 0:
+        raise RuntimeError(f"accelerate launch exited with code {rc}; last lines of {log_path}:\n"
+                           + "\n".join(list(tail)[-20:]))
+    return out

@@ -1,0 +1,173 @@
+"""The `sage` command line: spec building and validation messages, presets, launch dry-run, lazy imports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sage_core import cli
+from sage_core.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    code = ("import sys; from sage_core import cli; cli.build_parser().format_help(); "
+            "heavy = [m for m in ('torch', 'trl', 'transformers', 'mlflow', 'prefect', 'datasets') "
+            "if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+    r = subprocess.run([sys.executable, "-m", "sage_core.cli", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "train" in r.stdout and "launch" in r.stdout
+
+
+def test_presets_lists_every_preset(capsys):
+    rc, out, _ = run_cli(capsys, "presets")
+    assert rc == 0
+    for name in PRESETS:
+        assert name in out
+    assert "vllm-colocate" in out and "transformers" in out
+
+
+def test_spec_layers_preset_file_and_sets(capsys, tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"method": "grpo", "max_steps": 7, "num_generations": 4}))
+    rc, out, _ = run_cli(capsys, "spec", "--preset", "tiny-cpu", "--spec", str(f), "--set", "max_steps=3",
+                         "--set", "learning_rate=1e-6", "--set", "bf16=false", "--set", "max_prompt_length=none",
+                         "--set", "use-vllm=true")
+    assert rc == 0
+    d = json.loads(out)
+    assert d["method"] == "grpo" and d["num_generations"] == 4  # from the file
+    assert d["max_steps"] == 3 and d["learning_rate"] == 1e-6 and d["bf16"] is False  # --set wins
+    assert d["max_prompt_length"] is None and d["use_vllm"] is True
+    assert d["max_completion_length"] == PRESETS["tiny-cpu"]["max_completion_length"]  # from the preset
+
+
+def test_spec_defaults_to_tiny_cpu(capsys):
+    rc, out, _ = run_cli(capsys, "spec")
+    assert rc == 0 and json.loads(out)["max_steps"] == PRESETS["tiny-cpu"]["max_steps"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--set", "max_steps=0"], "max_steps: Input should be greater than or equal to 1 (got '0')"),
+    (["--set", "learning_rate=fast"], "learning_rate: Input should be a valid number"),
+    (["--set", "method=ppo"], "method: Input should be 'grpo'"),
+    (["--set", "light_min=0.9"], "light_min (0.9) must be <= light_max"),
+    (["--set", "max_stepz=3"], "unknown RunSpec field 'max_stepz'"),
+    (["--set", "max_steps"], "--set expects key=value"),
+    (["--preset", "tiny-gpu"], "unknown preset 'tiny-gpu' (did you mean tiny-cpu"),
+    (["--spec", "/nonexistent/spec.json"], "no such file"),
+])
+def test_invalid_specs_exit_2_naming_the_field(capsys, argv, needle):
+    rc, out, err = run_cli(capsys, "spec", *argv)
+    assert rc == 2 and out == ""
+    assert needle in err, err
+    assert err.startswith("sage spec: ")
+
+
+def test_spec_file_errors(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    rc, _, err = run_cli(capsys, "spec", "--spec", str(bad))
+    assert rc == 2 and "not valid JSON" in err
+    bad.write_text(json.dumps({"num_generation": 4}))
+    rc, _, err = run_cli(capsys, "spec", "--spec", str(bad))
+    assert rc == 2 and "num_generation: Extra inputs are not permitted" in err
+    bad.write_text("[1, 2]")
+    rc, _, err = run_cli(capsys, "spec", "--spec", str(bad))
+    assert rc == 2 and "JSON object" in err
+
+
+def test_train_validation_error_exits_before_importing_train(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sage_core.train", None)  # importing it would raise
+    rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", "num_generations=1")
+    assert rc == 2 and "num_generations: Input should be greater than or equal to 2" in err
+
+
+def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
+    """`sage train` hands the built spec, the output dir and resume to sage_core.train.train and writes
+    train_result.json (the file sage_core.launch reads back)."""
+    import types
+    from dataclasses import dataclass, field
+
+    calls = {}
+
+    @dataclass
+    class FakeResult:
+        output_dir: Path
+        checkpoint_dir: Path
+        tracker_dir: Path
+        global_step: int
+        wall_seconds: float
+        summary: dict = field(default_factory=dict)
+        eval: object = None
+
+    def fake_train(spec, output_dir, callbacks=(), resume=True):
+        calls.update(spec=spec, output_dir=output_dir, callbacks=callbacks, resume=resume)
+        return FakeResult(output_dir, output_dir / "checkpoint", output_dir / "tracker", spec.max_steps, 1.5,
+                          {"reward": 0.25})
+
+    monkeypatch.setitem(sys.modules, "sage_core.train", types.SimpleNamespace(train=fake_train))
+    rc, out, _ = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", "max_steps=2", "--set", "method=grpo",
+                         "--output-dir", str(tmp_path / "run"), "--no-resume")
+    assert rc == 0
+    assert calls["spec"].max_steps == 2 and calls["spec"].method == "grpo"
+    assert calls["output_dir"] == (tmp_path / "run").resolve() and calls["resume"] is False
+    assert calls["callbacks"] == []
+    saved = json.loads((tmp_path / "run" / "train_result.json").read_text())
+    assert saved["global_step"] == 2 and saved["summary"] == {"reward": 0.25}
+    assert saved["checkpoint_dir"].endswith("checkpoint")
+    assert '"global_step": 2' in out
+
+
+def test_default_output_dir_is_keyed_by_spec(monkeypatch, tmp_path):
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path))
+    a = cli.build_spec("tiny-cpu", None, ["method=grpo"])
+    b = cli.build_spec("tiny-cpu", None, ["method=grpo"])
+    c = cli.build_spec("tiny-cpu", None, ["method=sage"])
+    assert cli.default_output_dir(a) == cli.default_output_dir(b) == tmp_path / "runs" / f"grpo-{a.key()}"
+    assert cli.default_output_dir(c) != cli.default_output_dir(a)
+
+
+def test_eval_argument_errors(capsys):
+    rc, _, err = run_cli(capsys, "eval", "--model", "m", "--benchmark", "nopath")
+    assert rc == 2 and "name=path" in err
+    rc, _, err = run_cli(capsys, "eval", "--model", "m", "--benchmark", "a=x", "--benchmark", "a=y")
+    assert rc == 2 and "given twice" in err
+    rc, _, err = run_cli(capsys, "eval", "--model", "m", "--benchmark", "a=x", "--k", "0")
+    assert rc == 2 and "eval_k: Input should be greater than or equal to 1" in err
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--benchmark", "a=x"])  # --model is required (argparse exits 2)
+
+
+def test_launch_dry_run_prints_commands(capsys, tmp_path):
+    rc, out, _ = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "8", "--vllm-mode", "server",
+                         "--set", "prompts_per_step=112", "--output-dir", str(tmp_path), "--dry-run")
+    assert rc == 0
+    lines = [s for s in out.splitlines() if not s.startswith("#")]
+    assert lines[0].startswith("CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-7B-Instruct")
+    assert lines[1].startswith("CUDA_VISIBLE_DEVICES=1,2,3,4,5,6,7 ")
+    assert "--num_processes 7 -m sage_core.cli train --spec" in lines[1]
+    assert not (tmp_path / "launch_spec.json").exists()  # dry run writes nothing
+    rc, out, _ = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "0,1,2,3,4,5,6,7", "--dry-run",
+                         "--output-dir", str(tmp_path))
+    assert rc == 0 and "zero3.yaml --num_processes 8" in out and "vllm serve" not in out
+
+
+def test_launch_layout_errors_exit_2(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "1", "--vllm-mode", "server",
+                         "--dry-run", "--output-dir", str(tmp_path))
+    assert rc == 2 and "at least 2 GPUs" in err
+    rc, _, err = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "0", "--dry-run",
+                         "--output-dir", str(tmp_path))
+    assert rc == 2 and "no CUDA GPU" in err

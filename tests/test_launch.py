@@ -1,0 +1,219 @@
+"""sage_core.launch: accelerate / vllm serve command construction and GPU layouts (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sage_core import launch as L
+from sage_core.presets import preset
+from sage_core.spec import RunSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED_KEYS = {"compute_environment", "distributed_type", "mixed_precision", "num_machines", "num_processes",
+                 "machine_rank", "use_cpu"}
+
+
+@pytest.mark.parametrize("name", L.ACCELERATE_CONFIGS)
+def test_accelerate_yaml_loads_with_required_keys(name):
+    path = L.config_path(name)
+    assert path == ROOT / "configs" / "accelerate" / f"{name}.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    assert REQUIRED_KEYS <= set(cfg), REQUIRED_KEYS - set(cfg)
+    assert cfg["compute_environment"] == "LOCAL_MACHINE" and cfg["use_cpu"] is False
+    assert cfg["mixed_precision"] == "bf16"
+    assert cfg.get("gpu_ids", "all") == "all", "a fixed gpu_ids would override launch's CUDA_VISIBLE_DEVICES"
+    expected = {"zero3": "DEEPSPEED", "fsdp": "FSDP", "multi_gpu": "MULTI_GPU", "single_gpu": "NO"}[name]
+    assert cfg["distributed_type"] == expected
+    if name == "zero3":
+        assert cfg["deepspeed_config"]["zero_stage"] == 3
+        assert cfg["deepspeed_config"]["zero3_save_16bit_model"] is True
+    if name == "fsdp":
+        assert cfg["fsdp_config"]["fsdp_version"] == 2
+        assert cfg["fsdp_config"]["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+    if name == "single_gpu":
+        assert cfg["num_processes"] == 1
+
+
+@pytest.mark.parametrize("name", L.ACCELERATE_CONFIGS)
+def test_accelerate_yaml_is_accepted_by_accelerate(name):
+    """accelerate's own loader parses the file into its config class (it rejects unknown keys)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(str(L.config_path(name)))
+    assert cfg.distributed_type.value == {"zero3": "DEEPSPEED", "fsdp": "FSDP", "multi_gpu": "MULTI_GPU",
+                                          "single_gpu": "NO"}[name]
+
+
+def test_accelerate_command_shape(tmp_path):
+    spec = preset("qwen2.5-7b")
+    cmd = L.accelerate_command(spec, config="zero3", num_processes=8, spec_path=tmp_path / "s.json",
+                               output_dir=tmp_path / "out")
+    assert Path(cmd[0]).name == "accelerate" and cmd[1] == "launch"
+    assert cmd[cmd.index("--config_file") + 1] == str(ROOT / "configs" / "accelerate" / "zero3.yaml")
+    assert cmd[cmd.index("--num_processes") + 1] == "8"
+    i = cmd.index("-m")
+    assert cmd[i:i + 3] == ["-m", "sage_core.cli", "train"]
+    assert cmd[cmd.index("--spec") + 1] == str(tmp_path / "s.json")
+    assert cmd[cmd.index("--output-dir") + 1] == str(tmp_path / "out")
+    assert cmd.index("--num_processes") < i, "launcher flags must come before the module"
+    port = L.accelerate_command(spec, config="fsdp", num_processes=4, spec_path="s", output_dir="o",
+                                main_process_port=29555)
+    assert port[port.index("--main_process_port") + 1] == "29555" and "fsdp.yaml" in port[3]
+
+
+def test_accelerate_command_rejects_bad_input():
+    spec = preset("qwen2.5-7b")
+    with pytest.raises(ValueError, match="unknown accelerate config"):
+        L.accelerate_command(spec, config="zero9", num_processes=8, spec_path="s", output_dir="o")
+    with pytest.raises(ValueError, match="single_gpu"):
+        L.accelerate_command(spec, config="single_gpu", num_processes=2, spec_path="s", output_dir="o")
+    with pytest.raises(ValueError, match="multiple of 7"):
+        L.accelerate_command(spec, config="zero3", num_processes=7, spec_path="s", output_dir="o")
+
+
+def test_config_dir_env_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAGE_ACCELERATE_CONFIG_DIR", str(tmp_path))
+    assert L.config_path("fsdp") == tmp_path / "fsdp.yaml"
+
+
+def test_vllm_server_command_has_trl_flags():
+    cmd = L.vllm_server_command("Qwen/Qwen2.5-7B-Instruct", tp=2, port=8001, gpu_mem=0.85, max_model_len=4096)
+    assert cmd[:3] == ["vllm", "serve", "Qwen/Qwen2.5-7B-Instruct"]
+    flag = lambda f: cmd[cmd.index(f) + 1]  # noqa: E731
+    assert flag("--tensor-parallel-size") == "2" and flag("--port") == "8001"
+    assert flag("--gpu-memory-utilization") == "0.85" and flag("--max-model-len") == "4096"
+    assert flag("--data-parallel-size") == "1"
+    assert json.loads(flag("--weight-transfer-config")) == {"backend": "nccl"}
+    assert flag("--logprobs-mode") == "processed_logprobs"
+    assert flag("--max-logprobs") == "-1"
+    env = L.vllm_server_env([0, 1], base={"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0,1"}
+    with pytest.raises(ValueError):
+        L.vllm_server_command("m", tp=0)
+    with pytest.raises(ValueError):
+        L.vllm_server_command("m", gpu_mem=1.5)
+
+
+def test_vllm_flags_match_trl_build_command():
+    """Our server flags are the ones TRL 1.16 itself imposes (trl/scripts/vllm_serve.py::build_command)."""
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
+    trl_cmd = build_command(ScriptArguments(model="m"))
+    i = trl_cmd.index("--weight-transfer-config")
+    assert tuple(trl_cmd[i:i + 6]) == L.TRL_VLLM_SERVER_FLAGS
+
+
+def test_layout_colocate_uses_all_gpus():
+    spec = preset("qwen2.5-7b")
+    lay = L.plan_layout(spec, 8)
+    assert lay.mode == "colocate" and lay.train_gpus == tuple(range(8)) and lay.server_gpus == ()
+    assert lay.num_processes == 8 and not lay.notes
+    one = L.plan_layout(spec, 1)
+    assert one.num_processes == 1 and L.default_config(one.num_processes) == "single_gpu"
+    assert L.default_config(8) == "zero3"
+
+
+def test_layout_server_gpu0_and_rest():
+    spec = preset("qwen2.5-7b", prompts_per_step=112)  # 896 completions = 7 x 128
+    lay = L.plan_layout(spec, 8, vllm_mode="server")
+    assert lay.mode == "server" and lay.server_gpus == (0,) and lay.train_gpus == tuple(range(1, 8))
+    assert lay.server_tp == 1 and not lay.notes
+    tp2 = L.plan_layout(preset("qwen2.5-7b"), 8, vllm_mode="server", server_gpus=2)
+    assert tp2.server_gpus == (0, 1) and tp2.train_gpus == (2, 3, 4, 5) and tp2.notes  # 1024 % 6 != 0 -> 4
+
+
+def test_layout_server_uneven_batch_idles_gpus():
+    lay = L.plan_layout(preset("qwen2.5-7b"), 8, vllm_mode="server")  # 1024 completions, 7 trainers
+    assert lay.train_gpus == (1, 2, 3, 4) and "idle" in lay.notes[0] and "multiple of 7" in lay.notes[0]
+
+
+def test_layout_errors():
+    spec = preset("qwen2.5-7b")
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        L.plan_layout(spec, 0)
+    with pytest.raises(ValueError, match="at least 2 GPUs"):
+        L.plan_layout(spec, 1, vllm_mode="server")
+    with pytest.raises(ValueError, match="multiple of 3"):
+        L.plan_layout(spec, 3)  # colocate: every GPU trains, 1024 % 3 != 0
+
+
+def test_layout_without_vllm_and_physical_ids():
+    spec = preset("tiny-cpu")
+    assert not spec.use_vllm
+    lay = L.plan_layout(spec, 2, vllm_mode="server", gpu_ids=[4, 6])
+    assert lay.mode == "hf" and lay.train_gpus == (4, 6)
+
+
+def test_plan_server_mode_rewrites_spec_and_envs(tmp_path):
+    spec = preset("qwen2.5-7b", prompts_per_step=112)
+    p = L.plan(spec, tmp_path, gpus=list(range(8)), vllm_mode="server", port=8123, env={"A": "1"})
+    assert p.spec.vllm_mode == "server" and p.spec.vllm_server_base_url == "http://127.0.0.1:8123"
+    assert p.server_env["CUDA_VISIBLE_DEVICES"] == "0" and p.server_env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert p.train_env["CUDA_VISIBLE_DEVICES"] == "1,2,3,4,5,6,7" and p.train_env["A"] == "1"
+    assert p.server_cmd[p.server_cmd.index("--port") + 1] == "8123"
+    assert p.train_cmd[p.train_cmd.index("--num_processes") + 1] == "7"
+    # prompt 2048 + hint 1024 + template margin 256 + completion 8192
+    assert p.server_cmd[p.server_cmd.index("--max-model-len") + 1] == str(2048 + 1024 + 256 + 8192)
+    shell = p.shell()
+    assert shell.splitlines()[0].startswith("CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve")
+    assert "'{\"backend\": \"nccl\"}'" in shell
+
+
+def test_plan_colocate_single_gpu(tmp_path):
+    p = L.plan(preset("qwen2.5-7b"), tmp_path, gpus=[0])
+    assert p.server_cmd is None and p.layout.mode == "colocate"
+    assert "single_gpu.yaml" in p.train_cmd[p.train_cmd.index("--config_file") + 1]
+    assert p.spec.vllm_mode == "colocate" and p.spec.vllm_server_base_url is None
+
+
+def test_launch_streams_logs_and_reads_result(tmp_path, monkeypatch):
+    """launch() with the accelerate command replaced by a tiny Python script: logs are streamed to the callback
+    and launch.log, the spec file is written, and train_result.json is returned."""
+    spec = RunSpec()
+    script = tmp_path / "fake.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "out = sys.argv[sys.argv.index('--output-dir') + 1]\n"
+        "spec = json.load(open(sys.argv[sys.argv.index('--spec') + 1]))\n"
+        "print('rank0 step 1', flush=True)\n"
+        "print('gpus', os.environ['CUDA_VISIBLE_DEVICES'], flush=True)\n"
+        "json.dump({'global_step': 3, 'method': spec['method']}, open(os.path.join(out, 'train_result.json'), 'w'))\n"
+    )
+    real = L.accelerate_command
+
+    def fake(*a, **kw):
+        cmd = real(*a, **kw)
+        return [sys.executable, str(script), *cmd[cmd.index("train") + 1:]]
+
+    monkeypatch.setattr(L, "accelerate_command", fake)
+    lines: list[str] = []
+    res = L.launch(spec, tmp_path / "run", gpus=[0, 1], log=lines.append)
+    assert res.ok and res.result == {"global_step": 3, "method": "sage"}
+    assert "rank0 step 1" in lines and "gpus 0,1" in lines
+    assert "rank0 step 1" in res.log_path.read_text()
+    assert json.loads((tmp_path / "run" / "launch_spec.json").read_text())["method"] == "sage"
+
+
+def test_launch_failure_raises_with_tail(tmp_path, monkeypatch):
+    monkeypatch.setattr(L, "accelerate_command",
+                        lambda *a, **kw: [sys.executable, "-c", "print('boom'); raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="code 3(.|\n)*boom"):
+        L.launch(RunSpec(), tmp_path, gpus=[0], log=lambda s: None)
+    res = L.launch(RunSpec(), tmp_path, gpus=[0], log=lambda s: None, check=False)
+    assert res.returncode == 3 and res.result is None and res.tail == ["boom"]
+
+
+def test_wait_for_server_fails_fast_when_process_dies():
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    proc.wait()
+    with pytest.raises(RuntimeError, match="exited with code 1"):
+        L.wait_for_server("http://127.0.0.1:9", timeout=5, proc=proc, interval=0.1)
+    with pytest.raises(TimeoutError):
+        L.wait_for_server("http://127.0.0.1:9", timeout=0.3, interval=0.1)
