@@ -1,0 +1,101 @@
+"""Hint sources and the leak guard."""
+
+import json
+
+import pytest
+
+from sage_core.hints import (FixedHints, HintContext, HintRequest, OnlineHints, TeacherHints, leaks, read_hints,
+                             request_prompt, sample_hints, write_hints)
+from sage_core.prompts import hint_request, hinted_problem
+
+
+def req(pid="p1", level=3, answer="9"):
+    return HintRequest(pid, "Ann has 7 coins . She gets 5 more . She gives away 3 .", "7 + 5 = 12 . 12 - 3 = 9 .",
+                       answer, level)
+
+
+@pytest.mark.parametrize("hint,answer,leak", [
+    ("7 + 5 = 12 . Then 12 - 3 .", "9", False),
+    ("7 + 5 = 12 . 12 - 3 = 9 .", "9", True),
+    ("it is 9.0", "9", True),
+    ("19 coins", "9", False),
+    ("so \\boxed{x}", "4", True),
+    ("half: \\frac{1}{2} of it", "\\frac{1}{2}", True),
+    ("use the quadratic formula", "x^2", False),
+])
+def test_leak_guard(hint, answer, leak):
+    assert leaks(hint, answer) is leak
+
+
+def test_hinted_prompt_keeps_problem_and_adds_hint():
+    p = hinted_problem("What is 2 + 3 ?", "Add .")
+    assert p.startswith("What is 2 + 3 ?") and p.endswith("Add .") and "hint" in p
+    assert hinted_problem("What is 2 + 3 ?", None) == "What is 2 + 3 ?"
+    with pytest.raises(ValueError, match="level"):
+        hint_request("q", "s", 4)
+
+
+class ScriptedModel:
+    """A stand-in policy that answers hint requests from a script, recording what it was asked."""
+
+    def __init__(self, outputs):
+        self.outputs, self.calls = list(outputs), []
+
+    def __call__(self, prompts, max_new_tokens):
+        self.calls.append((len(prompts), max_new_tokens))
+        return [self.outputs.pop(0) for _ in prompts]
+
+
+def test_online_hints_resample_leaks_and_record_them():
+    model = ScriptedModel(["12 - 3 = 9 .", "", "7 + 5 = 12 . Then 12 - 3 ."])
+    ctx = HintContext(generate=model, max_new_tokens=16, retries=2)
+    [res] = OnlineHints().get([req()], ctx)
+    assert res.text == "7 + 5 = 12 . Then 12 - 3 ." and res.leaked and res.attempts == 3
+    # the same number of generate calls whatever happens (processes stay in step), later ones empty
+    ctx2 = HintContext(generate=ScriptedModel(["Use + then - ."]), retries=2)
+    sample_hints([req(level=1)], ctx2)
+    assert [n for n, _ in ctx2.generate.calls] == [1, 0, 0]
+
+
+def test_online_hint_that_always_leaks_is_a_failure_not_a_hint():
+    ctx = HintContext(generate=ScriptedModel(["= 9"] * 3), retries=2)
+    [res] = OnlineHints().get([req()], ctx)
+    assert res.failed and res.leaked
+
+
+def test_request_prompt_without_solution_is_answer_free():
+    r = HintRequest("p", "What is 2 + 3 ?", "", "5", 1)
+    text = request_prompt(r)[-1]["content"]
+    assert "not available" in text and "5" not in text.replace("2 + 3", "")
+
+
+def test_fixed_hints_written_once_by_initial_policy_and_reused(tmp_path):
+    rows = [{"prompt_id": "a", "problem": "q a", "solution": "s", "answer": "9"},
+            {"prompt_id": "b", "problem": "q b", "solution": "s", "answer": "9"}]
+    model = ScriptedModel([f"hint {i}" for i in range(6)])
+    src = FixedHints(tmp_path / "fixed.jsonl")
+    src.prepare(rows, HintContext(generate=model, retries=0))
+    assert len(src.hints) == 6 and (tmp_path / "fixed.jsonl").exists()
+    again = FixedHints(tmp_path / "fixed.jsonl")  # a resumed run reads the file, no generation
+    again.prepare(rows, HintContext(generate=ScriptedModel([]), retries=0))
+    assert again.hints == src.hints
+    [res] = again.get([HintRequest("b", "q b", "s", "9", 2)], HintContext(generate=ScriptedModel([])))
+    assert res.text == src.hints[("b", 2)]
+
+
+def test_teacher_file_hints_and_leak_guard(tmp_path):
+    path = tmp_path / "teacher.jsonl"
+    write_hints(path, [("p1", 3, "7 + 5 = 12 ."), ("p1", 2, "it is 9")])
+    src = TeacherHints(str(path))
+    ctx = HintContext(generate=ScriptedModel([]))
+    good, leaked, missing = src.get([req(level=3), req(level=2), req(level=1)], ctx)
+    assert good.text == "7 + 5 = 12 ." and leaked.failed and leaked.leaked and missing.failed
+
+
+def test_bad_hints_file_names_the_row(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt_id": "a", "level": 1, "hint": "x"}) + "\n" + json.dumps({"prompt_id": "b"}))
+    with pytest.raises(ValueError, match="row 1 lacks"):
+        read_hints(path)
+    with pytest.raises(FileNotFoundError):
+        TeacherHints(str(tmp_path / "nope.jsonl"))
