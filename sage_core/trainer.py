@@ -115,7 +115,7 @@ class SageGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------ the step
     def _sage_generate(self, prompts, rows):
         G, t_start, m = self.num_generations, time.perf_counter(), self._metrics["train"]
-        self._hint_seconds = 0.0
+        self._hint_seconds, self._counts = 0.0, defaultdict(float)
         groups = _groups_by_prompt_id(rows, G)
         if not self._hints_prepared:
             self._prepare_hints()
@@ -161,6 +161,8 @@ class SageGRPOTrainer(GRPOTrainer):
         self._record(groups, tries, hint_log, rows)
         m["sage/gen_seconds"].append(time.perf_counter() - t_start - self._hint_seconds)
         m["sage/hint_seconds"].append(self._hint_seconds)
+        for key in ("reroll_groups", "reroll_rows", "hint_rows"):  # this process's counts; summed over processes
+            m[f"sage/{key}"].append(float(sum(gather_object([self._counts[key]]))))
         if hasattr(self.scheduler, "metrics"):
             for k, v in self.scheduler.metrics().items():
                 m[f"sage/{k}"].append(v)
@@ -196,7 +198,7 @@ class SageGRPOTrainer(GRPOTrainer):
             s = slice(k * G, (k + 1) * G)
             tries[pid].append(self._make_try(level, text, [row] * G, ids[s], comp_ids[s], comps[s],
                                              lps[s] if lps is not None else None, rpf[s]))
-        self._metrics["train"]["sage/reroll_groups"].append(float(len(plan)))
+        self._counts["reroll_groups"] += len(plan)
 
     def _finalize(self, groups, tries, rows):
         """Splice each prompt's selected rows into the batch; returns per-row outputs, weights and rewards."""
@@ -251,7 +253,7 @@ class SageGRPOTrainer(GRPOTrainer):
             rpf[:, i] = torch.tensor([torch.nan if r is None else float(r) for r in out])
         return rpf
 
-    def _roll(self, prompts: list):
+    def _roll(self, prompts: list, kind: str = "reroll"):
         """Generate one completion per prompt; every process generates the same count (padded)."""
         n = len(prompts)
         most = max(gather_object([n]))
@@ -265,7 +267,7 @@ class SageGRPOTrainer(GRPOTrainer):
         texts = self.processing_class.batch_decode(comp_ids, skip_special_tokens=True)
         comps = [[{"role": "assistant", "content": t}] for t in texts] if prompts and is_conversational(
             {"prompt": prompts[0]}) else texts
-        self._metrics["train"]["sage/reroll_rows"].append(float(n))
+        self._counts[f"{kind}_rows"] += n
         return ids, comp_ids, comps, lps
 
     def _pad_prompt(self):
@@ -285,7 +287,7 @@ class SageGRPOTrainer(GRPOTrainer):
 
     def _policy_generate(self, chats: list, max_new_tokens: int) -> list[str]:
         with self._max_new_tokens(max_new_tokens):
-            _, comp_ids, _, _ = self._roll(chats)
+            _, comp_ids, _, _ = self._roll(chats, kind="hint")
         return self.processing_class.batch_decode(comp_ids, skip_special_tokens=True) if comp_ids else []
 
     def _hint_context(self) -> HintContext:

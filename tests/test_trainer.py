@@ -1,0 +1,116 @@
+"""The SAGE trainer on the offline tiny model: real generation, real verifier, real updates (CPU)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from sage_core.presets import preset
+from sage_core.prompts import HINT_HEADER
+from sage_core.tracker import COLUMNS, read_tracker
+from sage_core.train import build_trainer, train
+from sage_core.trainer import _groups_by_prompt_id
+
+SMALL = dict(num_prompts=8, prompts_per_step=4, num_generations=8, max_completion_length=40, save_steps=100)
+
+
+def small(method, **kw):
+    return preset("tiny-cpu", method=method, **{**SMALL, **kw})
+
+
+@pytest.fixture(scope="module")
+def sage_hard(tiny_model_dir, tmp_path_factory):
+    """SAGE on hard prompts only (3-4 steps): the regime where GRPO's gate stays closed."""
+    out = tmp_path_factory.mktemp("sage_hard")
+    trainer = build_trainer(small("sage", difficulty="hard", max_steps=3), out)
+    seen = []
+    original = trainer._compute_loss
+
+    def spy(model, inputs):  # what the loss actually sees
+        seen.append(trainer.processing_class.batch_decode(inputs["prompt_ids"], skip_special_tokens=True))
+        return original(model, inputs)
+
+    trainer._compute_loss = spy
+    trainer.train()
+    return trainer, out, seen
+
+
+def metric(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def test_grpo_on_hard_prompts_collapses(tiny_model_dir, tmp_path):
+    res = train(small("grpo", difficulty="hard", max_steps=2), tmp_path)
+    collapsed = [h["sage/frac_collapsed"] for h in res.log_history if "sage/frac_collapsed" in h]
+    assert len(collapsed) == 2 and min(collapsed) >= 0.75
+    assert all(h["sage/level_0_frac"] == 1.0 for h in res.log_history if "sage/level_0_frac" in h)
+    assert res.summary["rollouts"] == 2 * 4 * 8  # GRPO never re-rolls
+    assert (res.checkpoint_dir / "config.json").exists()
+
+
+def test_sage_rescues_collapsed_groups_with_hints(sage_hard):
+    trainer, out, _ = sage_hard
+    df = read_tracker(out / "tracker")
+    assert set(COLUMNS) <= set(df.columns) and sorted(df.step.unique()) == [1, 2, 3]
+    all0 = df[df.base_state == "all0"]
+    assert len(all0) > 0 and (all0.max_level_tried >= 1).all()  # every all-zero group was hinted
+    assert (df[df.base_state != "all0"].max_level_tried == 0).all()  # nothing else was
+    rescued = df[df.rescued]
+    assert len(rescued) > 0, "SAGE should rescue some hard prompts with hints"
+    assert (rescued.level >= 1).all() and rescued.hint.notna().all()
+    # search stops at the first level with a success, and only re-rolls collapsed groups
+    for _, r in rescued.iterrows():
+        assert r[f"acc_l{r.level}"] > 0
+        assert all(pd.isna(r[f"acc_l{lv}"]) or r[f"acc_l{lv}"] == 0 for lv in range(1, r.level))
+    assert sum(metric(trainer, "sage/rescued_groups")) == len(rescued)
+    # re-rolls are per collapsed group: G more rollouts per level tried (fewer when a level had no usable hint)
+    assert ((df.rollouts % 8 == 0) & (df.rollouts >= 8) & (df.rollouts <= 8 * (1 + df.max_level_tried))).all()
+    assert sum(metric(trainer, "sage/rollouts")) == df.rollouts.sum()
+
+
+def test_loss_sees_hinted_prompt_ids_exactly_for_hinted_groups(sage_hard):
+    trainer, out, seen = sage_hard
+    df = read_tracker(out / "tracker")
+    hinted_rows = [sum(HINT_HEADER in p for p in batch) for batch in seen]
+    expected = [8 * int((df[df.step == s].level > 0).sum()) for s in (1, 2, 3)]
+    assert hinted_rows == expected and sum(expected) > 0
+
+
+def test_hints_never_contain_the_answer(sage_hard):
+    from sage_core.hints import leaks
+
+    df = read_tracker(sage_hard[1] / "tracker")
+    for _, r in df.iterrows():
+        for lv in (1, 2, 3):
+            if r[f"hint_l{lv}"] is not None:
+                assert not leaks(r[f"hint_l{lv}"], r.answer)
+
+
+def test_sage_light_raises_levels_and_resumes(tiny_model_dir, tmp_path):
+    spec = small("sage-light", difficulty="hard", num_prompts=4, max_steps=2, save_steps=1)
+    res = train(spec, tmp_path)
+    df = read_tracker(res.tracker_dir)
+    first, second = df[df.step == 1].set_index("prompt_id"), df[df.step == 2].set_index("prompt_id")
+    assert (first.level == 0).all()  # first visit: plain GRPO
+    for pid, r in first.iterrows():  # an all-zero visit raises the level by one
+        if r.pass_rate <= 0.1:
+            assert second.loc[pid, "level"] == 1
+    assert (second.rollouts == 8).all()  # one rollout per step
+    # resume: the levels come back from the tracker files, and the run continues from its checkpoint
+    trainer = build_trainer(spec.model_copy(update={"max_steps": 3}), tmp_path)
+    trainer.restore_state(2)
+    levels = {pid: trainer.scheduler.level_before(pid) for pid in second.index}
+    for pid, r in second.iterrows():
+        assert levels[pid] == (min(r.level + 1, 3) if r.pass_rate <= 0.1 else
+                               max(r.level - 1, 0) if r.pass_rate > 0.35 else r.level)
+    res3 = train(spec.model_copy(update={"max_steps": 3}), tmp_path)
+    assert res3.global_step == 3 and sorted(read_tracker(res3.tracker_dir).step.unique()) == [1, 2, 3]
+
+
+def test_groups_are_keyed_by_prompt_id_not_position():
+    rows = [{"prompt_id": p} for p in "aabb"]
+    assert _groups_by_prompt_id(rows, 2) == [("a", [0, 1]), ("b", [2, 3])]
+    with pytest.raises(RuntimeError, match="contiguous"):
+        _groups_by_prompt_id([{"prompt_id": p} for p in "abab"], 2)
+    with pytest.raises(ValueError, match="prompt_id"):
+        _groups_by_prompt_id([{"x": 1}], 1)
