@@ -1,0 +1,337 @@
+"""The verifiable reward: 1.0 when the last \\boxed{...} of a completion equals the gold answer (math-verify), else 0.0.
+
+Design (works from any thread, never hangs, never raises):
+- guards: no box, an absurdly long completion or boxed answer, huge exponents/factorials or deep nesting -> 0.0;
+- a fast path decides plain numbers and identical strings in-process (the common case, e.g. the synthetic task);
+- everything else goes to math-verify in a small persistent pool of worker subprocesses (`python -m
+  sage_core.reward --worker`, JSON lines over pipes) with math-verify's own signal-based timeouts off and a
+  per-call timeout enforced by the caller; a worker that times out is killed (and replaced on next use), the
+  sample scores 0.0. Signal-based timeouts only work in the main thread, Prefect runs tasks in worker threads,
+  hence the subprocesses.
+
+Env: SAGE_REWARD_TIMEOUT (seconds per sample, default 5), SAGE_REWARD_WORKERS (pool size, default 2).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import queue
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MAX_COMPLETION_CHARS = 200_000   # longer completions score 0 without being parsed
+MAX_ANSWER_CHARS = 300           # longer boxed answers score 0
+MAX_BRACE_DEPTH = 12
+TIMEOUT_S = float(os.environ.get("SAGE_REWARD_TIMEOUT", "5"))
+WORKER_START_TIMEOUT_S = 120.0   # importing sympy + math_verify on a busy 2-core machine
+N_WORKERS = max(1, int(os.environ.get("SAGE_REWARD_WORKERS", "2")))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# extraction and guards
+# ----------------------------------------------------------------------------------------------------------------
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the LAST \\boxed{...} (or \\fbox{...}), brace-balanced; None when there is none or the last
+    one is unbalanced. Linear time."""
+    if not isinstance(text, str):
+        return None
+    i = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if i < 0:
+        return None
+    j = i + (6 if text.startswith("\\boxed", i) else 5)
+    while j < len(text) and text[j] == " ":
+        j += 1
+    if j < len(text) and text[j] == "{":
+        depth = 0
+        for k in range(j, len(text)):
+            c = text[k]
+            if c == "{":
+                depth += 1
+            elif c == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[j + 1:k]
+        return None
+    m = re.match(r"\\boxed ([^\s$]+)", text[i:i + MAX_ANSWER_CHARS + 8])  # "\\boxed 9"
+    return m.group(1) if m else None
+
+
+_POW_RE = re.compile(r"(\^|\*\*)\s*\{?\s*\(?\s*[-+]?\s*(\d+)")
+
+
+def _group_after(expr: str, i: int) -> str:
+    """The brace/paren group opening at expr[i] (to the end of the string when unbalanced)."""
+    open_c = expr[i]
+    close_c = "}" if open_c == "{" else ")"
+    depth = 0
+    for k in range(i, len(expr)):
+        depth += (expr[k] == open_c) - (expr[k] == close_c)
+        if depth == 0:
+            return expr[i + 1:k]
+    return expr[i + 1:]
+
+
+def _too_hard(expr: str) -> bool:
+    """True for inputs that could make sympy hang or blow up memory: very long or deeply nested input, stacked
+    powers (10^{10^{10}}, 9**9**9, a^b^c), exponents over 4 digits, factorials of 5+ digit numbers."""
+    if len(expr) > MAX_ANSWER_CHARS:
+        return True
+    depth = peak = 0
+    for c in expr:
+        if c in "{([":
+            depth += 1
+            peak = max(peak, depth)
+        elif c in "})]":
+            depth -= 1
+    if peak > MAX_BRACE_DEPTH:
+        return True
+    for m in re.finditer(r"(\^|\*\*)\s*([{(])", expr):
+        inner = _group_after(expr, m.end() - 1)
+        if "^" in inner or "**" in inner:
+            return True
+    if re.search(r"(\^|\*\*)\s*[\w.]+\s*(\^|\*\*)", expr):
+        return True
+    if any(len(m.group(2)) > 4 for m in _POW_RE.finditer(expr)):
+        return True
+    return bool(re.search(r"\d{5,}\s*!", expr))
+
+
+_NUM_RE = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d{1,3})?")
+
+
+def _normalise(s: str) -> str:
+    s = s.strip().strip("$").strip()
+    s = re.sub(r"\\(left|right|!|,|;|:|displaystyle)", "", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = re.sub(r"\\text\{\s*([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\s+", "", s)
+    s = s.rstrip(".")
+    if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    return s
+
+
+def _as_number(s: str) -> Fraction | None:
+    if _NUM_RE.fullmatch(s):
+        try:
+            return Fraction(s)
+        except (ValueError, ZeroDivisionError):
+            return None
+    m = re.fullmatch(r"([-+]?)\\frac\{(\d+)\}\{(\d+)\}", s)
+    if m and int(m.group(3)) != 0:
+        return Fraction(int(m.group(2)), int(m.group(3))) * (-1 if m.group(1) == "-" else 1)
+    return None
+
+
+def fast_score(pred: str, gold: str) -> float | None:
+    """1.0/0.0 when it can be decided without math-verify (identical after normalisation, or both plain numbers);
+    None otherwise."""
+    p, g = _normalise(pred), _normalise(gold)
+    if p == g and p:
+        return 1.0
+    pn, gn = _as_number(p), _as_number(g)
+    if pn is not None and gn is not None:
+        if pn == gn:
+            return 1.0
+        # math-verify's float rounding (6 places) for decimals
+        return 1.0 if abs(float(pn) - float(gn)) <= 1e-6 * max(1.0, abs(float(gn))) else 0.0
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the worker pool
+# ----------------------------------------------------------------------------------------------------------------
+
+class _Worker:
+    def __init__(self) -> None:
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.proc = subprocess.Popen([sys.executable, "-m", "sage_core.reward", "--worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+                                     bufsize=1)
+        line = self._readline(WORKER_START_TIMEOUT_S)
+        if line is None or line.strip() != "ready":
+            self.kill()
+            raise RuntimeError("reward worker failed to start")
+
+    def _readline(self, timeout: float) -> str | None:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        return line or None
+
+    def verify(self, pred: str, gold: str, timeout: float) -> float | None:
+        """The score, or None on timeout/crash (the worker is then dead)."""
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"pred": pred, "gold": gold}) + "\n")
+            self.proc.stdin.flush()
+            line = self._readline(timeout)
+            if line is None:
+                self.kill()
+                return None
+            return float(json.loads(line)["score"])
+        except Exception:
+            self.kill()
+            return None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        except Exception:
+            pass
+
+
+class _Pool:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.idle: queue.Queue[_Worker | None] = queue.Queue()
+        for _ in range(size):
+            self.idle.put(None)  # a slot; the worker is started lazily
+
+    def verify(self, pred: str, gold: str, timeout: float) -> float:
+        slot = self.idle.get()
+        worker = slot
+        try:
+            if worker is None or not worker.alive:
+                worker = _Worker()
+            result = worker.verify(pred, gold, timeout)
+            if result is None:
+                logger.warning("reward: math-verify timed out after %.1fs on %r; scoring 0", timeout, pred[:80])
+                worker = None
+                return 0.0
+            return result
+        except Exception as e:  # worker start failure
+            logger.warning("reward: worker error (%s); scoring 0", e)
+            worker = None
+            return 0.0
+        finally:
+            self.idle.put(worker if worker is not None and worker.alive else None)
+
+    def close(self) -> None:
+        while True:
+            try:
+                w = self.idle.get_nowait()
+            except queue.Empty:
+                break
+            if w is not None:
+                w.kill()
+
+
+_pool: _Pool | None = None
+_pool_lock = threading.Lock()
+
+
+def _get_pool() -> _Pool:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = _Pool(N_WORKERS)
+            atexit.register(_pool.close)
+        return _pool
+
+
+def _verify_in_process(pred: str, gold: str) -> float:
+    """math-verify with its signal timeouts off (for the worker's main thread)."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
+    pred_parsed = parse("\\boxed{" + pred + "}", extraction_config=[ExprExtractionConfig(), LatexExtractionConfig()],
+                        parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return 0.0
+    return 1.0 if verify(gold_parsed, pred_parsed, timeout_seconds=None) else 0.0
+
+
+def _worker_main() -> None:
+    out = sys.stdout
+    sys.stdout = sys.stderr  # the protocol owns stdout; stray prints go to stderr (discarded)
+    logging.disable(logging.WARNING)  # math-verify warns on every call that its timeouts are off
+    import math_verify  # noqa: F401  (warm the imports before saying ready)
+    import sympy  # noqa: F401
+
+    sys.setrecursionlimit(10_000)
+    out.write("ready\n")
+    out.flush()
+    for line in sys.stdin:
+        try:
+            req = json.loads(line)
+            score = _verify_in_process(req["pred"], req["gold"])
+        except BaseException:
+            score = 0.0
+        out.write(json.dumps({"score": score}) + "\n")
+        out.flush()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------------------------
+
+def score(completion: str, gold: str, timeout: float | None = None) -> float:
+    """1.0 when the last \\boxed{} of `completion` is equivalent to `gold`, else 0.0. Never raises, never hangs."""
+    try:
+        if not isinstance(completion, str) or not completion or len(completion) > MAX_COMPLETION_CHARS:
+            return 0.0
+        pred = extract_boxed(completion)
+        if pred is None or not pred.strip():
+            return 0.0
+        gold = str(gold)
+        fast = fast_score(pred, gold)
+        if fast is not None:
+            return fast
+        if _too_hard(pred) or _too_hard(gold):
+            return 0.0
+        return _get_pool().verify(pred, gold, TIMEOUT_S if timeout is None else timeout)
+    except Exception as e:  # never raise into the trainer
+        logger.warning("reward: scoring failed (%s); scoring 0", e)
+        return 0.0
+
+
+def _content(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list):  # conversational: [{"role": "assistant", "content": ...}, ...]
+        parts = [m.get("content") for m in completion if isinstance(m, dict) and m.get("role", "assistant") ==
+                 "assistant"]
+        return "".join(p for p in parts if isinstance(p, str))
+    if isinstance(completion, dict):
+        return str(completion.get("content") or "")
+    return ""
+
+
+def boxed_reward(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+    """TRL reward function: math-verify accuracy of the last \\boxed{} against the `answer` column."""
+    if len(completions) != len(answer):
+        raise ValueError(f"boxed_reward: {len(completions)} completions but {len(answer)} answers")
+    return [score(_content(c), a) for c, a in zip(completions, answer)]
+
+
+boxed_reward.__name__ = "accuracy"
+boxed_reward.__qualname__ = "accuracy"
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker_main()
