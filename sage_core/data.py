@@ -1,0 +1,418 @@
+"""Data: the built-in synthetic arithmetic task and loading Parquet/JSONL/JSON/HF datasets into the row schema.
+
+Row schema (docs/architecture.md): `prompt` (chat list), `problem`, `solution` ("" if none), `answer` (no \\boxed),
+`prompt_id` (unique str), `difficulty` (int, -1 when unknown).
+
+The synthetic task: a start value and 1..4 steps (+, -, * by small numbers), every intermediate value in 1..30,
+words separated by spaces ("." and "?" are words too) so the tiny word-level tokenizer covers it exactly.
+`difficulty` is the number of steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from . import prompts
+
+logger = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------------------------------------------
+# Synthetic task
+# ----------------------------------------------------------------------------------------------------------------
+
+FEMALE_NAMES = ("Ann", "Mia", "Eva", "Lily", "Zoe", "Kate", "Amy", "Sue")
+MALE_NAMES = ("Bob", "Tom", "Sam", "Ben", "Max", "Leo", "Dan", "Jim")
+OBJECTS = ("coins", "apples", "books", "cards", "pens", "stamps", "shells", "marbles", "cookies", "stickers",
+           "eggs", "toys")
+# {P}: the pronoun starting a sentence ("She"/"He"), {n}: the operand.
+STEP_TEMPLATES = {
+    "+": ("{P} gets {n} more .", "{P} finds {n} more .", "{P} buys {n} more .", "{P} wins {n} more ."),
+    "-": ("{P} gives away {n} .", "{P} loses {n} .", "{P} sells {n} .", "{P} uses {n} ."),
+    "*": ("{P} now has {n} times as many .", "{P} ends up with {n} times as many ."),
+}
+OPENING = "{name} has {start} {obj} ."
+QUESTION = "How many {obj} does {name} have now ?"
+ANSWER_SENTENCE = "The answer is \\boxed{{{answer}}} ."
+
+MAX_VALUE = 30          # every intermediate value stays in 1..MAX_VALUE
+START_RANGE = (2, 15)
+OPERAND_RANGE = (1, 9)  # + and - operands
+MUL_OPERANDS = (2, 3)
+OP_WEIGHTS = {"+": 0.4, "-": 0.4, "*": 0.2}
+
+Difficulty = str  # "mixed" | "easy" | "hard"
+_STEP_RE = re.compile(r"(\d+) ([+\-*]) (\d+) = (\d+)")
+
+
+def _apply(op: str, a: int, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def _sample_steps(rng: random.Random, n_steps: int) -> tuple[int, list[tuple[str, int, int, int]]]:
+    """(start, [(op, lhs, operand, result), ...]) with every value in 1..MAX_VALUE and an answer that differs from
+    every other number of the problem and of its reference hints (so reference hints never contain the answer)."""
+    while True:
+        start = rng.randint(*START_RANGE)
+        value, steps = start, []
+        for _ in range(n_steps):
+            options: dict[str, list[int]] = {
+                "+": [n for n in range(OPERAND_RANGE[0], OPERAND_RANGE[1] + 1) if value + n <= MAX_VALUE],
+                "-": [n for n in range(OPERAND_RANGE[0], OPERAND_RANGE[1] + 1) if value - n >= 1],
+                "*": [n for n in MUL_OPERANDS if value >= 2 and value * n <= MAX_VALUE],
+            }
+            ops = [op for op, ns in options.items() if ns]
+            op = rng.choices(ops, weights=[OP_WEIGHTS[o] for o in ops])[0]
+            n = rng.choice(options[op])
+            new = _apply(op, value, n)
+            steps.append((op, value, n, new))
+            value = new
+        others = {start} | {s[2] for s in steps} | {s[3] for s in steps[:-1]}
+        if value not in others:
+            return start, steps
+
+
+def _steps_for(rng: random.Random, difficulty: Difficulty) -> int:
+    if difficulty == "easy":
+        return 1
+    if difficulty == "hard":
+        return rng.randint(3, 4)
+    if difficulty == "mixed":
+        return rng.randint(1, 4)
+    raise ValueError(f"difficulty must be 'mixed', 'easy' or 'hard', got {difficulty!r}")
+
+
+def _step_text(step: tuple[str, int, int, int], with_result: bool = True) -> str:
+    op, a, n, r = step
+    return f"{a} {op} {n} = {r}" if with_result else f"{a} {op} {n}"
+
+
+def make_problem(rng: random.Random, n_steps: int) -> dict[str, Any]:
+    """One synthetic problem: problem text, step-by-step solution, answer, difficulty."""
+    female = rng.random() < 0.5
+    name = rng.choice(FEMALE_NAMES if female else MALE_NAMES)
+    pronoun = "She" if female else "He"
+    obj = rng.choice(OBJECTS)
+    start, steps = _sample_steps(rng, n_steps)
+    sentences = [OPENING.format(name=name, start=start, obj=obj)]
+    for op, _, n, _ in steps:
+        sentences.append(rng.choice(STEP_TEMPLATES[op]).format(P=pronoun, n=n))
+    sentences.append(QUESTION.format(obj=obj, name=name))
+    answer = str(steps[-1][3])
+    solution = " ".join(_step_text(s) + " ." for s in steps) + " " + ANSWER_SENTENCE.format(answer=answer)
+    return {"problem": " ".join(sentences), "solution": solution, "answer": answer, "difficulty": n_steps}
+
+
+def synthetic_rows(n: int, seed: int = 0, difficulty: Difficulty = "mixed",
+                   system_prompt: str | None = None) -> list[dict[str, Any]]:
+    """`n` synthetic rows in the row schema. mixed: steps uniform in 1..4; easy: 1 step; hard: 3..4 steps.
+    Deterministic in (n, seed, difficulty); `prompt_id` is f"syn-{seed}-{i}" (row i of that seed)."""
+    rng = random.Random(f"sage-synthetic-{seed}-{difficulty}")
+    rows = []
+    for i in range(n):
+        row = make_problem(rng, _steps_for(rng, difficulty))
+        rows.append({"prompt": prompts.chat(row["problem"], system_prompt), "problem": row["problem"],
+                     "solution": row["solution"], "answer": row["answer"], "prompt_id": f"syn-{seed}-{i}",
+                     "difficulty": row["difficulty"]})
+    return rows
+
+
+def parse_steps(solution: str) -> list[tuple[str, int, int, int]]:
+    """The worked steps `a op n = r` of a synthetic-format solution ([] when it has none)."""
+    return [(op, int(a), int(n), int(r)) for a, op, n, r in _STEP_RE.findall(solution or "")]
+
+
+def reference_hint(row: Mapping[str, Any], level: int) -> str:
+    """The reference hint of `row` at `level` (what the tiny model learns to write):
+
+    - level 1: the plan, no numbers:            "Use + then - ."
+    - level 2: the first step worked:           "First 7 + 5 = 12 ."  (one-step problems: "First 7 + 5 ." with no
+      result, since the first result is the answer)
+    - level 3: every step but the last result:  "7 + 5 = 12 . Then 12 - 3 ."
+
+    Synthetic rows never contain their answer in a hint: the generator rejects problems whose answer equals the start
+    value, an operand or an intermediate result. A synthetic-format solution from elsewhere can contain such a
+    coincidence (e.g. 5 + 3 = 8 . 8 - 3 = 5); the hint is then left as is and the leak guard (sage_core.hints)
+    rejects it. Solutions in another format get a generic hint: their sentences with the final one dropped
+    (level 1: the first sentence, level 2: the first half, level 3: all but the last), dropping every sentence that
+    contains the answer or a \\boxed{}. An empty solution gives "" (the hint source then uses its answer-free path).
+    """
+    if level not in prompts.LEVELS:
+        raise ValueError(f"hint level must be one of {prompts.LEVELS}, got {level!r}")
+    solution = str(row.get("solution") or "")
+    steps = parse_steps(solution)
+    if steps:
+        if level == 1:
+            return "Use " + " then ".join(s[0] for s in steps) + " ."
+        if level == 2:
+            return "First " + _step_text(steps[0], with_result=len(steps) > 1) + " ."
+        worked = [_step_text(s) + " ." for s in steps[:-1]]
+        return " ".join(worked + ["Then " + _step_text(steps[-1], with_result=False) + " ."])
+    return _generic_hint(solution, str(row.get("answer") or ""), level)
+
+
+def _generic_hint(solution: str, answer: str, level: int) -> str:
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+|\n+", solution) if s.strip()]
+    if len(sentences) > 1:
+        sentences = sentences[:-1]  # the last sentence usually states the result
+    ans = re.escape(answer.strip()) if answer.strip() else None
+    keep = [s for s in sentences if "\\boxed" not in s
+            and not (ans and re.search(rf"(?<![\w.]){ans}(?![\w]|\.\d)", s))]
+    if not keep:
+        return ""
+    n = {1: 1, 2: max(1, len(keep) // 2), 3: len(keep)}[level]
+    return " ".join(keep[:n])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading and normalising external data
+# ----------------------------------------------------------------------------------------------------------------
+
+ANSWER_ALIASES = ("answer", "gt", "ground_truth", "final_answer")
+PROBLEM_ALIASES = ("problem", "question")
+ID_ALIASES = ("prompt_id", "id", "index")
+
+
+def strip_boxed(answer: str) -> str:
+    """'\\boxed{9}' -> '9' (only when the whole string is one box); anything else unchanged (stripped)."""
+    s = answer.strip().strip("$").strip()
+    m = re.fullmatch(r"\\boxed\s*\{(.*)\}", s, flags=re.S)
+    if m:
+        inner, depth = m.group(1), 0
+        for ch in inner:  # only strip when the braces of the box enclose the whole string
+            depth += (ch == "{") - (ch == "}")
+            if depth < 0:
+                return s
+        return inner.strip() if depth == 0 else s
+    return s
+
+
+def _to_py(v: Any) -> Any:
+    """numpy arrays / pyarrow scalars (from Parquet via pandas) to plain Python."""
+    if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):
+        v = v.tolist()
+    if isinstance(v, Mapping):
+        return {k: _to_py(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_to_py(x) for x in v]
+    return v
+
+
+def _is_missing(v: Any) -> bool:
+    if v is None:
+        return True
+    try:
+        return v != v  # NaN
+    except Exception:
+        return False
+
+
+def _read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
+    """Records of a .parquet/.jsonl/.json file, a local dataset dir or an HF dataset name, and a display name."""
+    path = Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".jsonl", ".json") or path.is_file():
+        if not path.exists():
+            raise FileNotFoundError(f"data file not found: {path.resolve()}")
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist(), str(path.resolve())
+        text = path.read_text(encoding="utf-8")
+        if suffix == ".jsonl" or (suffix != ".json" and not text.lstrip().startswith(("[", "{\""))):
+            return [json.loads(line) for line in text.splitlines() if line.strip()], str(path.resolve())
+        data = json.loads(text)
+        if isinstance(data, Mapping):
+            for key in (split, "data", "rows", "train"):
+                if isinstance(data.get(key), list):
+                    data = data[key]
+                    break
+            else:
+                raise ValueError(f"{path.resolve()}: a JSON object needs a list under '{split}', 'data' or 'rows'")
+        if not isinstance(data, list):
+            raise ValueError(f"{path.resolve()}: expected a list of records")
+        return data, str(path.resolve())
+    import datasets
+
+    # a local dataset folder or an HF dataset name (the latter needs the network unless cached)
+    ds = datasets.load_dataset(str(path) if path.is_dir() else source, split=split)
+    return [dict(r) for r in ds], (str(path.resolve()) if path.is_dir() else source)
+
+
+def _get_nested(record: Mapping[str, Any], dotted: str) -> Any:
+    cur: Any = record
+    for part in dotted.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def _normalise_prompt(prompt: Any, system_prompt: str | None) -> list[dict[str, str]]:
+    if isinstance(prompt, str):
+        return prompts.chat(prompt, system_prompt)
+    msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+    if system_prompt and not any(m["role"] == "system" for m in msgs):
+        msgs.insert(0, {"role": "system", "content": system_prompt})
+    return msgs
+
+
+def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
+                      system_prompt: str | None = None) -> list[dict[str, Any]]:
+    """Records with any of the accepted column names -> rows in the schema. Raises ValueError on missing columns
+    (naming the column, the source and the columns found) and on duplicated prompt ids."""
+    records = [_to_py(dict(r)) for r in records]
+    columns = sorted({k for r in records for k in r})
+    if not records:
+        raise ValueError(f"{source}: no rows")
+
+    def first(r: Mapping[str, Any], names: Iterable[str]) -> Any:
+        for name in names:
+            v = _get_nested(r, name)
+            if not _is_missing(v) and v != "":
+                return v
+        return None
+
+    has_prompt = any(c in columns for c in ("prompt", *PROBLEM_ALIASES))
+    if not has_prompt:
+        raise ValueError(f"{source}: missing column 'prompt' (or 'problem'/'question'); columns found: {columns}")
+    answer_cols = (*ANSWER_ALIASES, "reward_model.ground_truth")
+    if not any(c in columns for c in ANSWER_ALIASES) and _get_nested(records[0], "reward_model.ground_truth") is None:
+        raise ValueError(f"{source}: missing column 'answer' (or {', '.join(ANSWER_ALIASES[1:])}); "
+                         f"columns found: {columns}")
+    rows, no_solution = [], 0
+    for i, r in enumerate(records):
+        prompt = r.get("prompt")
+        problem = first(r, PROBLEM_ALIASES)
+        if _is_missing(prompt) or prompt == "" or (isinstance(prompt, list) and not prompt):
+            if problem is None:
+                raise ValueError(f"{source}: row {i} has neither 'prompt' nor 'problem'/'question'; "
+                                 f"columns found: {columns}")
+            prompt = str(problem)
+        chat = _normalise_prompt(prompt, system_prompt)
+        if problem is None:
+            users = [m["content"] for m in chat if m["role"] == "user"]
+            if not users:
+                raise ValueError(f"{source}: row {i}: the prompt has no user turn")
+            problem = users[-1]
+        answer = first(r, answer_cols)
+        if answer is None:
+            raise ValueError(f"{source}: row {i} has no 'answer' (or {', '.join(ANSWER_ALIASES[1:])}); "
+                             f"columns found: {columns}")
+        if isinstance(answer, float) and answer.is_integer():
+            answer = int(answer)
+        solution = r.get("solution")
+        if _is_missing(solution) or not str(solution).strip():
+            no_solution += 1
+            solution = ""
+        pid = first(r, (*ID_ALIASES, "extra_info.index"))
+        if pid is None:
+            pid = "h-" + hashlib.sha1(str(problem).encode()).hexdigest()[:12]
+        diff = r.get("difficulty")
+        try:
+            diff = int(diff) if not _is_missing(diff) else -1
+        except (TypeError, ValueError):
+            diff = -1
+        rows.append({"prompt": chat, "problem": str(problem), "solution": str(solution),
+                     "answer": strip_boxed(str(answer)), "prompt_id": str(pid), "difficulty": diff})
+    if no_solution:
+        msg = (f"{source}: {no_solution} of {len(rows)} rows have no 'solution'; their hints will be built "
+               f"answer-free from the problem only")
+        logger.warning(msg)
+        warnings.warn(msg, stacklevel=3)
+    _check_unique(rows, source)
+    return rows
+
+
+def _check_unique(rows: list[dict[str, Any]], source: str) -> None:
+    seen: dict[str, int] = {}
+    for r in rows:
+        seen[r["prompt_id"]] = seen.get(r["prompt_id"], 0) + 1
+    dups = [k for k, c in seen.items() if c > 1]
+    if dups:
+        raise ValueError(f"{source}: {len(dups)} duplicated prompt ids (groups are keyed by prompt id), "
+                         f"e.g. {dups[:5]}; give each row a unique 'prompt_id'/'id'/'index'")
+
+
+def to_dataset(rows: list[dict[str, Any]]):
+    import datasets
+
+    return datasets.Dataset.from_list(rows)
+
+
+def load_rows(source: str, split: str = "train", limit: int | None = None, system_prompt: str | None = None,
+              seed: int = 0, **kwargs: Any):
+    """Load `source` into a `datasets.Dataset` in the row schema.
+
+    source: "synthetic" (kwargs: `n` or `num_prompts` rows, default `limit` or 64; `difficulty`), a .parquet,
+    .jsonl or .json file, a local dataset folder, or an HF dataset name (network; never used in tests).
+    `limit` keeps the first rows (no shuffling). The input file is only read.
+    """
+    if source == "synthetic":
+        n = kwargs.pop("n", None) or kwargs.pop("num_prompts", None) or limit or 64
+        difficulty = kwargs.pop("difficulty", "mixed")
+        if kwargs:
+            raise TypeError(f"unexpected arguments for the synthetic source: {sorted(kwargs)}")
+        rows = synthetic_rows(n if limit is None else min(n, limit), seed=seed, difficulty=difficulty,
+                              system_prompt=system_prompt)
+        return to_dataset(rows)
+    if kwargs:
+        raise TypeError(f"unexpected arguments for source {source!r}: {sorted(kwargs)}")
+    records, name = _read_records(source, split)
+    if limit is not None:
+        records = records[:limit]
+    return to_dataset(normalise_records(records, name, system_prompt))
+
+
+def _system_prompt_for(spec: Any) -> str | None:
+    """The tiny model is trained without a system turn; real instruct models get the paper's system prompt."""
+    return None if getattr(spec, "model", "tiny") == "tiny" else prompts.SYSTEM_PROMPT
+
+
+def build_dataset(spec: Any):
+    """The training rows of a RunSpec (synthetic: spec.num_prompts rows of spec.difficulty with spec.seed)."""
+    system = _system_prompt_for(spec)
+    if spec.data == "synthetic":
+        return to_dataset(synthetic_rows(spec.num_prompts, seed=spec.seed, difficulty=spec.difficulty,
+                                         system_prompt=system))
+    return load_rows(spec.data, split=spec.data_split, limit=spec.num_prompts, system_prompt=system)
+
+
+EVAL_SEED_OFFSET = 100_003
+
+
+def eval_rows(spec: Any):
+    """Held-out no-hint evaluation rows of a RunSpec (spec.eval_num_prompts of them).
+
+    synthetic: seed spec.seed + EVAL_SEED_OFFSET, difficulty mixed, problems of the training set excluded.
+    A file: the rows after the first spec.num_prompts (the training rows). An HF name: its 'test' or 'validation'
+    split.
+    """
+    system = _system_prompt_for(spec)
+    n = spec.eval_num_prompts
+    if spec.data == "synthetic":
+        train = {r["problem"] for r in synthetic_rows(spec.num_prompts, seed=spec.seed, difficulty=spec.difficulty)}
+        rows = [r for r in synthetic_rows(2 * n + 16, seed=spec.seed + EVAL_SEED_OFFSET, difficulty="mixed",
+                                          system_prompt=system) if r["problem"] not in train][:n]
+        return to_dataset(rows)
+    path = Path(spec.data).expanduser()
+    if path.is_file():
+        records, name = _read_records(spec.data, spec.data_split)
+        rest = records[spec.num_prompts:spec.num_prompts + n]
+        if not rest:
+            raise ValueError(f"{name}: no rows left for evaluation after the first {spec.num_prompts} training rows")
+        return to_dataset(normalise_records(rest, name, system))
+    last: Exception | None = None
+    for split in ("test", "validation"):
+        try:
+            return load_rows(spec.data, split=split, limit=n, system_prompt=system)
+        except (ValueError, KeyError) as e:  # the split does not exist
+            last = e
+    raise ValueError(f"{spec.data}: no 'test' or 'validation' split for evaluation ({last})")

@@ -1,0 +1,234 @@
+"""Synthetic task, reference hints, and loading external data into the row schema."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sage_core import data, prompts
+from sage_core.data import build_dataset, eval_rows, load_rows, reference_hint, synthetic_rows
+from sage_core.spec import RunSpec
+
+SCHEMA = {"prompt", "problem", "solution", "answer", "prompt_id", "difficulty"}
+CONTRACT_ROW = {"problem": "Ann has 7 coins . She gets 5 more . She gives away 3 . How many coins does Ann have now ?",
+                "solution": "7 + 5 = 12 . 12 - 3 = 9 . The answer is \\boxed{9} .", "answer": "9"}
+
+
+def _check_row_arithmetic(row):
+    steps = data.parse_steps(row["solution"])
+    assert len(steps) == row["difficulty"]
+    first_number = int(re.search(r"\d+", row["problem"]).group())
+    assert steps[0][1] == first_number
+    value = first_number
+    for op, lhs, n, r in steps:
+        assert lhs == value
+        assert r == {"+": lhs + n, "-": lhs - n, "*": lhs * n}[op]
+        assert 1 <= r <= data.MAX_VALUE
+        value = r
+    assert row["answer"] == str(value)
+    assert row["solution"].endswith(f"The answer is \\boxed{{{value}}} .")
+    # the problem mentions each operand once per step, in order
+    numbers = [int(x) for x in re.findall(r"\d+", row["problem"])]
+    assert numbers == [first_number] + [n for _, _, n, _ in steps]
+
+
+def test_contract_example_hints():
+    assert reference_hint(CONTRACT_ROW, 1) == "Use + then - ."
+    assert reference_hint(CONTRACT_ROW, 2) == "First 7 + 5 = 12 ."
+    assert reference_hint(CONTRACT_ROW, 3) == "7 + 5 = 12 . Then 12 - 3 ."
+    with pytest.raises(ValueError):
+        reference_hint(CONTRACT_ROW, 0)
+
+
+def test_one_step_hints_never_state_the_result():
+    row = {"solution": "7 + 5 = 12 . The answer is \\boxed{12} .", "answer": "12"}
+    assert reference_hint(row, 1) == "Use + ."
+    assert reference_hint(row, 2) == "First 7 + 5 ."
+    assert reference_hint(row, 3) == "Then 7 + 5 ."
+
+
+def test_synthetic_rows_schema_determinism_and_ids():
+    rows = synthetic_rows(50, seed=4)
+    assert all(set(r) == SCHEMA for r in rows)
+    assert rows == synthetic_rows(50, seed=4)
+    assert rows != synthetic_rows(50, seed=5)
+    assert [r["prompt_id"] for r in rows] == [f"syn-4-{i}" for i in range(50)]
+    # a longer list keeps the rows of a shorter one (ids are stable)
+    assert synthetic_rows(80, seed=4)[:50] == rows
+    for r in rows:
+        assert r["prompt"] == [{"role": "user", "content": r["problem"]}]
+        _check_row_arithmetic(r)
+
+
+def test_difficulties():
+    assert {r["difficulty"] for r in synthetic_rows(100, difficulty="easy")} == {1}
+    assert {r["difficulty"] for r in synthetic_rows(200, difficulty="hard")} == {3, 4}
+    mixed = [r["difficulty"] for r in synthetic_rows(800, difficulty="mixed")]
+    assert set(mixed) == {1, 2, 3, 4}
+    assert all(150 <= mixed.count(d) <= 250 for d in (1, 2, 3, 4))
+    with pytest.raises(ValueError):
+        synthetic_rows(3, difficulty="medium")
+
+
+def test_text_is_space_separated_words():
+    for r in synthetic_rows(100, seed=1):
+        for text in (r["problem"], r["solution"]):
+            assert " ".join(text.split()) == text
+        assert r["problem"].endswith(" ?")
+        words = r["problem"].split()
+        assert all(w in (".", "?") or w.isalpha() or w.isdigit() for w in words)
+
+
+def test_text_uses_varied_names_objects_and_verbs():
+    rows = synthetic_rows(300, seed=2)
+    names = {r["problem"].split()[0] for r in rows}
+    objects = {r["problem"].split()[3] for r in rows}
+    assert len(names) >= 10 and len(objects) >= 8
+    verbs = {w for r in rows for w in r["problem"].split() if w in ("gets", "finds", "buys", "wins", "loses",
+                                                                    "sells", "uses", "gives")}
+    assert len(verbs) >= 6
+
+
+def test_reference_hints_never_contain_the_answer():
+    for r in synthetic_rows(600, seed=9):
+        words_of_problem = set(r["problem"].split())
+        assert r["answer"] not in words_of_problem
+        for level in prompts.LEVELS:
+            hint = reference_hint(r, level)
+            assert r["answer"] not in hint.split(), (r, level, hint)
+            assert "boxed" not in hint
+        assert not re.search(r"\d", reference_hint(r, 1))
+        steps = data.parse_steps(r["solution"])
+        assert reference_hint(r, 3).count("=") == len(steps) - 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 20), difficulty=st.sampled_from(["easy", "mixed", "hard"]))
+def test_synthetic_rows_are_always_valid(seed, n, difficulty):
+    rows = synthetic_rows(n, seed=seed, difficulty=difficulty)
+    assert len(rows) == n and len({r["prompt_id"] for r in rows}) == n
+    for r in rows:
+        _check_row_arithmetic(r)
+
+
+def test_generic_hints_for_other_solution_formats():
+    row = {"solution": "Let x be the number. Then 2x = 10. So x is 5. Final: \\boxed{5}.", "answer": "5"}
+    for level in prompts.LEVELS:
+        h = reference_hint(row, level)
+        assert "5" not in re.findall(r"\d+", h) and "boxed" not in h
+    assert reference_hint(row, 1) == "Let x be the number."
+    assert reference_hint({"solution": "", "answer": "5"}, 2) == ""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# loading files
+# ------------------------------------------------------------------------------------------------------------
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_load_parquet_with_aliases_and_chat_prompts(tmp_path):
+    df = pd.DataFrame({
+        "prompt": [[{"role": "user", "content": "What is 2 + 2 ?"}], [{"role": "system", "content": "Be brief."},
+                                                                    {"role": "user", "content": "Half of 1 ?"}]],
+        "ground_truth": ["\\boxed{4}", "\\frac{1}{2}"],
+        "solution": ["2 + 2 = 4 .", "1 / 2 ."],
+        "extra_info": [{"index": 10}, {"index": 11}],
+    })
+    path = tmp_path / "train.parquet"
+    df.to_parquet(path)
+    before = _sha(path)
+    ds = load_rows(str(path))
+    assert _sha(path) == before
+    assert set(ds.column_names) == SCHEMA
+    rows = list(ds)
+    assert [r["answer"] for r in rows] == ["4", "\\frac{1}{2}"]
+    assert [r["problem"] for r in rows] == ["What is 2 + 2 ?", "Half of 1 ?"]
+    assert [r["prompt_id"] for r in rows] == ["10", "11"]
+    assert rows[1]["prompt"][0] == {"role": "system", "content": "Be brief."}
+    assert [r["difficulty"] for r in rows] == [-1, -1]
+
+
+def test_load_jsonl_problem_only_and_missing_solution_warns(tmp_path):
+    path = tmp_path / "d.jsonl"
+    recs = [{"question": "What is 3 * 3 ?", "final_answer": 9}, {"question": "What is 1 + 1 ?", "gt": "2"}]
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    with pytest.warns(UserWarning, match="answer-free"):
+        ds = load_rows(str(path), system_prompt=prompts.SYSTEM_PROMPT)
+    rows = list(ds)
+    assert rows[0]["prompt"] == prompts.chat("What is 3 * 3 ?", prompts.SYSTEM_PROMPT)
+    assert [r["answer"] for r in rows] == ["9", "2"]
+    assert [r["solution"] for r in rows] == ["", ""]
+    # ids: a stable hash of the problem
+    with pytest.warns(UserWarning):
+        assert rows[0]["prompt_id"] == list(load_rows(str(path)))[0]["prompt_id"]
+    assert rows[0]["prompt_id"] != rows[1]["prompt_id"]
+
+
+def test_load_json_list_with_limit_and_string_prompts(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"prompt": f"q{i} ?", "answer": str(i), "solution": "s", "id": f"a{i}",
+                                 "difficulty": 2} for i in range(5)]))
+    ds = load_rows(str(path), limit=3)
+    assert len(ds) == 3
+    assert ds[0]["prompt"] == [{"role": "user", "content": "q0 ?"}] and ds[0]["problem"] == "q0 ?"
+    assert ds["prompt_id"] == ["a0", "a1", "a2"] and ds["difficulty"] == [2, 2, 2]
+
+
+@pytest.mark.filterwarnings("ignore:.*answer-free")
+def test_duplicate_ids_are_rejected(tmp_path):
+    path = tmp_path / "dup.jsonl"
+    path.write_text("\n".join(json.dumps({"problem": f"p{i}", "answer": "1", "id": i % 2}) for i in range(4)))
+    with pytest.raises(ValueError, match="duplicated prompt ids") as e:
+        load_rows(str(path))
+    assert "'0'" in str(e.value) or "'1'" in str(e.value)
+
+
+@pytest.mark.parametrize("columns,missing", [({"problem": "p", "solution": "s"}, "answer"),
+                                             ({"text": "p", "answer": "1"}, "prompt")])
+def test_missing_columns_are_named(tmp_path, columns, missing):
+    path = tmp_path / "bad.parquet"
+    pd.DataFrame([columns]).to_parquet(path)
+    with pytest.raises(ValueError) as e:
+        load_rows(str(path))
+    msg = str(e.value)
+    assert f"'{missing}'" in msg and str(path) in msg
+    for col in columns:
+        assert col in msg
+
+
+def test_synthetic_source_and_missing_file(tmp_path):
+    ds = load_rows("synthetic", n=12, difficulty="hard", seed=3)
+    assert len(ds) == 12 and set(ds["difficulty"]) <= {3, 4}
+    assert ds["prompt_id"][0] == "syn-3-0"
+    with pytest.raises(FileNotFoundError):
+        load_rows(str(tmp_path / "nope.parquet"))
+
+
+def test_build_dataset_and_held_out_eval_rows():
+    spec = RunSpec(num_prompts=40, eval_num_prompts=30, seed=2, difficulty="easy")
+    train = build_dataset(spec)
+    assert len(train) == 40 and set(train["difficulty"]) == {1}
+    assert train[0]["prompt"] == [{"role": "user", "content": train[0]["problem"]}]  # tiny: no system turn
+    ev = eval_rows(spec)
+    assert len(ev) == 30 and set(ev["difficulty"]) > {1}
+    assert not set(ev["problem"]) & set(train["problem"])
+    assert not set(ev["prompt_id"]) & set(train["prompt_id"])
+    real = RunSpec(model="smollm2", num_prompts=4, eval_num_prompts=4)
+    assert build_dataset(real)[0]["prompt"][0] == {"role": "system", "content": prompts.SYSTEM_PROMPT}
+
+
+def test_eval_rows_from_a_file_are_the_rows_after_the_training_rows(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"problem": f"p{i}", "answer": str(i), "solution": "s"})
+                              for i in range(10)))
+    spec = RunSpec(data=str(path), num_prompts=6, eval_num_prompts=3)
+    assert build_dataset(spec)["problem"] == [f"p{i}" for i in range(6)]
+    assert eval_rows(spec)["problem"] == ["p6", "p7", "p8"]
