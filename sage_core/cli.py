@@ -69,8 +69,7 @@ def format_validation_error(err: Exception) -> str:
     for e in err.errors():  # type: ignore[attr-defined]
         loc = ".".join(str(x) for x in e.get("loc", ())) or "spec"
         msg = e.get("msg", "invalid")
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
+        msg = msg.removeprefix("Value error, ")
         got = e.get("input")
         shown = "" if loc == "spec" or isinstance(got, dict) else f" (got {got!r})"
         lines.append(f"  - {loc}: {msg}{shown}")
@@ -100,8 +99,12 @@ def build_spec(preset: str | None = None, spec_file: str | None = None, sets: li
         raise SpecError(format_validation_error(e)) from None
 
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
 def sage_home() -> Path:
-    return Path(os.environ.get("SAGE_HOME", ".sage")).expanduser().resolve()
+    """`SAGE_HOME`, default `<repo>/.sage` (as sage_core.tracking and sage_core.models)."""
+    return Path(os.environ.get("SAGE_HOME") or REPO_ROOT / ".sage").expanduser().resolve()
 
 
 def default_output_dir(spec) -> Path:
@@ -148,39 +151,59 @@ def result_dict(result: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- commands
-def _tracking_callbacks(spec, args) -> list:
-    """The MLflow callback of sage_core.tracking (imported only with --mlflow)."""
+def _open_tracking(spec, out: Path, args: argparse.Namespace) -> tuple[list, str | None]:
+    """(callbacks, run id this command owns). A run id in SAGE_MLFLOW_RUN_ID (set by `sage launch --mlflow` or a
+    flow that opened the run itself) is logged into but not closed here; with --mlflow and no such id, the main
+    process opens (or, after a crash, reopens) the run recorded in `<output_dir>/mlflow_run_id`."""
+    if os.environ.get("SAGE_MLFLOW_RUN_ID"):
+        from .tracking import callback_from_env
+
+        return [callback_from_env()], None
+    if not args.mlflow or not _is_main_process():
+        return [], None
     from . import tracking
 
-    factory = getattr(tracking, "make_callback", None) or getattr(tracking, "SageMlflowCallback", None)
-    if factory is None:
-        raise SpecError("sage_core.tracking has no make_callback/SageMlflowCallback; run without --mlflow")
-    kwargs: dict[str, Any] = {}
-    if args.experiment:
-        kwargs["experiment"] = args.experiment
-    return [factory(spec, **kwargs)]
+    rid, resumed = tracking.resume_or_create_run(spec, "train", out, experiment=args.experiment or
+                                                 tracking.DEFAULT_EXPERIMENT)
+    print(f"sage train: MLflow run {rid}{' (resumed)' if resumed else ''} at {tracking.tracking_uri()}",
+          flush=True)
+    return [tracking.MlflowTrackingCallback(run_id=rid, output_dir=out)], rid
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     spec = build_spec(args.preset, args.spec, args.set)
     out = Path(args.output_dir).resolve() if args.output_dir else default_output_dir(spec)
-    callbacks = _tracking_callbacks(spec, args) if args.mlflow else []
     if _is_main_process():
         print(f"sage train: method={spec.method} model={spec.model} steps={spec.max_steps} -> {out}", flush=True)
+    callbacks, run_id = _open_tracking(spec, out, args)
     from .train import train
 
-    result = train(spec, out, callbacks=callbacks, resume=not args.no_resume)
-    if _is_main_process():
-        d = result_dict(result)
-        out.mkdir(parents=True, exist_ok=True)
-        from .launch import RESULT_FILE
+    try:
+        result = train(spec, out, callbacks=callbacks, resume=not args.no_resume)
+    except BaseException:
+        if run_id is not None:
+            from .tracking import finish_run
 
-        (out / RESULT_FILE).write_text(json.dumps(d, indent=2, default=repr))
-        brief = {k: d.get(k) for k in ("output_dir", "global_step", "wall_seconds")}
-        print("sage train: done " + json.dumps(brief), flush=True)
-        summary = d.get("summary")
-        if summary:
-            print(json.dumps(summary, indent=2, default=repr), flush=True)
+            finish_run(run_id, status="FAILED")
+        raise
+    if not _is_main_process():
+        return 0
+    d = result_dict(result)  # with log_history: a flow that launched the ranks may log it afterwards
+    if run_id is not None:
+        from .tracking import finish_run, log_summary
+
+        log_summary(d.get("summary") or {}, run_id=run_id)
+        finish_run(run_id)
+        d["mlflow_run_id"] = run_id
+    out.mkdir(parents=True, exist_ok=True)
+    from .launch import RESULT_FILE
+
+    (out / RESULT_FILE).write_text(json.dumps(d, indent=2, default=repr))
+    brief = {k: d.get(k) for k in ("output_dir", "global_step", "wall_seconds")}
+    print("sage train: done " + json.dumps(brief), flush=True)
+    summary = d.get("summary")
+    if summary:
+        print(json.dumps(summary, indent=2, default=repr), flush=True)
     return 0
 
 
@@ -265,8 +288,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     spec = build_spec(args.preset, args.spec, args.set)
     out = Path(args.output_dir).resolve() if args.output_dir else default_output_dir(spec)
-    kw = dict(gpus=_parse_gpus(args.gpus), config=args.config, vllm_mode=args.vllm_mode,
-              server_gpus=args.server_gpus, port=args.port, server_gpu_mem=args.server_gpu_mem)
+    kw = {"gpus": _parse_gpus(args.gpus), "config": args.config, "vllm_mode": args.vllm_mode,
+          "server_gpus": args.server_gpus, "port": args.port, "server_gpu_mem": args.server_gpu_mem}
     try:
         if args.dry_run:
             p = L.plan(spec, out, **kw)
@@ -274,7 +297,23 @@ def cmd_launch(args: argparse.Namespace) -> int:
             print(f"# spec file: {p.spec_path} (written by launch)")
             print(p.shell())
             return 0
-        res = L.launch(spec, out, check=False, **kw)
+        L.plan(spec, out, **kw)  # layout errors before any MLflow run is opened
+        run_id = None
+        if args.mlflow:
+            from . import tracking
+
+            run_id, _ = tracking.resume_or_create_run(spec, "train", out, experiment=args.experiment or
+                                                      tracking.DEFAULT_EXPERIMENT)
+        try:
+            res = L.launch(spec, out, check=False, mlflow_run_id=run_id, **kw)
+        except BaseException:
+            if run_id is not None:
+                tracking.finish_run(run_id, status="FAILED")
+            raise
+        if run_id is not None:
+            if res.ok and res.result:
+                tracking.log_summary(res.result.get("summary") or {}, run_id=run_id)
+            tracking.finish_run(run_id, status="FINISHED" if res.ok else "FAILED")
     except ValueError as e:
         raise SpecError(str(e)) from None
     return res.returncode
@@ -331,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-gpus", type=int, default=1, help="GPUs for vllm serve (tensor parallel), server mode")
     p.add_argument("--port", type=int, default=8000, help="vllm serve port, server mode")
     p.add_argument("--server-gpu-mem", type=float, default=0.9, help="vllm serve --gpu-memory-utilization")
+    p.add_argument("--mlflow", action="store_true", help="open an MLflow run here; the ranks log into it")
+    p.add_argument("--experiment", help="MLflow experiment name (with --mlflow)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.set_defaults(func=cmd_launch)
     return parser

@@ -13,6 +13,7 @@ the Prefect flows call it for the GPU presets.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -190,9 +191,10 @@ def plan_layout(spec: RunSpec, n_gpus: int, *, vllm_mode: str | None = None, ser
     k = max(d for d in range(1, len(rest) + 1) if rows % d == 0)
     notes: tuple[str, ...] = ()
     if k < len(rest):
-        notes = (f"{rows} completions per step do not split over {len(rest)} trainers: using {k}, "
-                 f"GPU {list(rest[k:])} idle (set prompts_per_step so that prompts_per_step x num_generations "
-                 f"is a multiple of {len(rest)})",)
+        note = (f"{rows} completions per step do not split over {len(rest)} trainers: using {k}, "
+                f"GPU {list(rest[k:])} idle (set prompts_per_step so that prompts_per_step x num_generations "
+                f"is a multiple of {len(rest)})")
+        notes = (note,)
     return GpuLayout(mode="server", train_gpus=rest[:k], server_gpus=serve, notes=notes)
 
 
@@ -246,8 +248,9 @@ class LaunchPlan:
 def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[int] | None = None,
          config: str | None = None, vllm_mode: str | None = None, server_gpus: int = 1, port: int = 8000,
          server_gpu_mem: float = 0.9, main_process_port: int | None = None,
-         env: Mapping[str, str] | None = None) -> LaunchPlan:
-    """Build the commands without running anything. `gpus` defaults to the visible GPUs."""
+         env: Mapping[str, str] | None = None, mlflow_run_id: str | None = None) -> LaunchPlan:
+    """Build the commands without running anything. `gpus` defaults to the visible GPUs. With `mlflow_run_id`
+    the ranks log into that MLflow run (SAGE_MLFLOW_RUN_ID, read by sage_core.tracking.callback_from_env)."""
     ids = list(gpus) if gpus is not None else visible_gpus()
     layout = plan_layout(spec, len(ids), vllm_mode=vllm_mode, server_gpus=server_gpus, gpu_ids=ids)
     out = Path(output_dir).resolve()
@@ -265,6 +268,8 @@ def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[int] | 
                                    output_dir=out, main_process_port=main_process_port)
     base = dict(os.environ if env is None else env)
     train_env = {**base, "CUDA_VISIBLE_DEVICES": ",".join(map(str, layout.train_gpus))}
+    if mlflow_run_id:
+        train_env.update(SAGE_MLFLOW_RUN_ID=mlflow_run_id, SAGE_OUTPUT_DIR=str(out))
     server_cmd = server_env = None
     if layout.mode == "server":
         server_cmd = vllm_server_command(spec.model, tp=layout.server_tp, port=port, gpu_mem=server_gpu_mem,
@@ -328,13 +333,15 @@ def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[int] 
            config: str | None = None, vllm_mode: str | None = None, server_gpus: int = 1, port: int = 8000,
            server_gpu_mem: float = 0.9, main_process_port: int | None = None,
            log: Callable[[str], None] = print, server_timeout: float = 900.0, check: bool = True,
-           env: Mapping[str, str] | None = None) -> LaunchResult:
+           env: Mapping[str, str] | None = None, mlflow_run_id: str | None = None) -> LaunchResult:
     """Run `spec` on the GPUs: start `vllm serve` first in server mode (and wait for /health), then
     `accelerate launch ... -m sage_core.cli train`. Every output line goes to `log` (the flows pass their Prefect
     logger) and to `<output_dir>/launch.log` (the server's to `vllm_server.log`). Returns the exit code and the
-    TrainResult dict the ranks wrote; with `check=True` a non-zero exit raises RuntimeError with the log tail."""
+    TrainResult dict the ranks wrote; with `check=True` a non-zero exit raises RuntimeError with the log tail.
+    `mlflow_run_id`: an MLflow run the caller opened (and closes); the ranks log metrics and artifacts into it."""
     p = plan(spec, output_dir, gpus=gpus, config=config, vllm_mode=vllm_mode, server_gpus=server_gpus, port=port,
-             server_gpu_mem=server_gpu_mem, main_process_port=main_process_port, env=env)
+             server_gpu_mem=server_gpu_mem, main_process_port=main_process_port, env=env,
+             mlflow_run_id=mlflow_run_id)
     p.output_dir.mkdir(parents=True, exist_ok=True)
     p.spec_path.write_text(p.spec.model_dump_json(indent=2))
     (p.output_dir / RESULT_FILE).unlink(missing_ok=True)
@@ -343,11 +350,11 @@ def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[int] 
     server = None
     threads: list[threading.Thread] = []
     tail: deque[str] = deque(maxlen=60)
-    server_fh = None
+    files = contextlib.ExitStack()
     try:
         if p.server_cmd is not None:
             log(f"[sage.launch] starting: {' '.join(p.server_cmd)}")
-            server_fh = open(p.output_dir / "vllm_server.log", "a")
+            server_fh = files.enter_context(open(p.output_dir / "vllm_server.log", "a"))  # noqa: SIM115
             server = subprocess.Popen(p.server_cmd, env=p.server_env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, bufsize=1)
             t = threading.Thread(target=_pump, args=(server.stdout, lambda s: log(f"[vllm] {s}"), server_fh, None),
@@ -372,8 +379,7 @@ def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[int] 
                 server.wait()
         for t in threads:
             t.join(timeout=5)
-        if server_fh is not None:
-            server_fh.close()
+        files.close()
     result = None
     rfile = p.output_dir / RESULT_FILE
     if rc == 0 and rfile.exists():

@@ -84,7 +84,10 @@ def test_config_dir_env_override(tmp_path, monkeypatch):
 def test_vllm_server_command_has_trl_flags():
     cmd = L.vllm_server_command("Qwen/Qwen2.5-7B-Instruct", tp=2, port=8001, gpu_mem=0.85, max_model_len=4096)
     assert cmd[:3] == ["vllm", "serve", "Qwen/Qwen2.5-7B-Instruct"]
-    flag = lambda f: cmd[cmd.index(f) + 1]  # noqa: E731
+
+    def flag(f):
+        return cmd[cmd.index(f) + 1]
+
     assert flag("--tensor-parallel-size") == "2" and flag("--port") == "8001"
     assert flag("--gpu-memory-utilization") == "0.85" and flag("--max-model-len") == "4096"
     assert flag("--data-parallel-size") == "1"
@@ -217,3 +220,46 @@ def test_wait_for_server_fails_fast_when_process_dies():
         L.wait_for_server("http://127.0.0.1:9", timeout=5, proc=proc, interval=0.1)
     with pytest.raises(TimeoutError):
         L.wait_for_server("http://127.0.0.1:9", timeout=0.3, interval=0.1)
+
+
+# ------------------------------------------------------------------------------------ benchmarks/gpu_smoke.py
+def _gpu_smoke():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "benchmarks" / "gpu_smoke.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_smoke_on_cpu_exits_with_clear_message():
+    gs = _gpu_smoke()
+    if not gs.missing_requirements():
+        pytest.skip("CUDA and vllm are present: the skip path does not apply")
+    script = str(ROOT / "benchmarks" / "gpu_smoke.py")
+    r = __import__("subprocess").run([sys.executable, script], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == gs.EXIT_NO_GPU != 0 and "needs CUDA + vllm" in r.stdout
+    r = __import__("subprocess").run([sys.executable, script, "--allow-cpu-skip"], capture_output=True, text=True,
+                                     cwd=ROOT)
+    assert r.returncode == 0 and "Nothing was run" in r.stdout
+
+
+def test_gpu_smoke_metrics_and_table():
+    gs = _gpu_smoke()
+    hist = [{"step_time": 9.0, "sage/gen_seconds": 8.0, "sage/rollouts": 64, "completions/mean_length": 10},
+            {"step_time": 1.0, "sage/gen_seconds": 0.5, "sage/rollouts": 64, "completions/mean_length": 20,
+             "reward": 0.5},
+            {"step_time": 3.0, "sage/gen_seconds": 1.5, "sage/rollouts": 64, "completions/mean_length": 20,
+             "reward": 0.7},
+            {"train_runtime": 13.0}]
+    m = gs.step_metrics(hist)  # step 1 (warm-up) left out
+    assert m["steps"] == 2 and m["step_s"] == 2.0 and m["gen_s"] == 1.0 and m["rollouts"] == 64
+    assert m["tok_s"] == 64 * 20 / 1.0 and abs(m["reward"] - 0.6) < 1e-9
+    sage = dict(m, step_s=3.0, tok_s=m["tok_s"] / 2)
+    table = gs.format_table({"grpo": m, "sage": sage}, header="gpu_smoke: test")
+    lines = table.splitlines()
+    assert lines[0] == "gpu_smoke: test" and lines[1].split()[0] == "method"
+    grpo_row, sage_row = lines[2].split(), lines[3].split()
+    assert grpo_row[0] == "grpo" and grpo_row[7:9] == ["1.00x", "1.00x"]
+    assert sage_row[0] == "sage" and sage_row[7:9] == ["1.50x", "0.50x"]
+    assert gs.format_table({"sage": sage}).splitlines()[1].split()[7] == "-"  # no GRPO row: no ratio
