@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,17 @@ def parse_benchmarks(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+def benchmark_rows(spec, path: str):
+    """Rows of one benchmark: 'synthetic' -> the held-out synthetic eval rows of the spec, else a .parquet/.jsonl
+    file (or dataset) cut to spec.eval_num_prompts rows. The spec's model decides the system turn (none for
+    'tiny', the paper's prompt otherwise), as in training."""
+    from .data import _system_prompt_for, eval_rows, load_rows
+
+    if path == "synthetic":
+        return eval_rows(spec)
+    return load_rows(path, limit=spec.eval_num_prompts, system_prompt=_system_prompt_for(spec))
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     benchmarks = parse_benchmarks(args.benchmark)
     spec = build_spec(args.preset, args.spec, args.set)
@@ -236,20 +248,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
             spec = RunSpec(**{**spec.model_dump(), **updates})
         except ValidationError as e:
             raise SpecError(format_validation_error(e)) from None
+    for name, path in benchmarks.items():
+        if path != "synthetic" and not Path(path).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+            raise SpecError(f"--benchmark {name}={path}: no such file (and not an HF dataset name)")
     from .evaluate import evaluate
 
-    table = evaluate(args.model, benchmarks, spec=spec)
-    rows = _jsonable(table)
+    rows = {name: benchmark_rows(spec, path) for name, path in benchmarks.items()}
+    table = evaluate(args.model, rows, use_vllm=spec.use_vllm, k=spec.eval_k, temperature=spec.eval_temperature,
+                     top_p=spec.eval_top_p, max_new_tokens=spec.max_completion_length, seed=spec.seed,
+                     gguf_file=spec.gguf_file)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        if hasattr(table, "to_parquet") and args.output.endswith(".parquet"):
-            table.to_parquet(args.output)
+        if args.output.endswith(".parquet"):
+            table.to_parquet(args.output, index=False)
         else:
-            Path(args.output).write_text(json.dumps(rows, indent=2))
-    if hasattr(table, "to_string"):
-        print(table.to_string(index=False))
-    else:
-        print(json.dumps(rows, indent=2))
+            Path(args.output).write_text(json.dumps(_jsonable(table), indent=2))
+    print(table.to_string(index=False) if hasattr(table, "to_string") else json.dumps(_jsonable(table), indent=2))
     return 0
 
 
@@ -341,11 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-resume", action="store_true", help="start fresh even if the output dir has checkpoints")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="no-hint avg@k / pass@k of a model on benchmarks")
-    p.add_argument("--model", required=True, help="model path (a run's checkpoint/), 'tiny', or an HF id")
+    p = sub.add_parser("eval", help="no-hint avg@k / pass@k of a model on benchmarks",
+                       description="No-hint avg@k / pass@k. Sampling settings (eval_k, eval_temperature, "
+                       "eval_top_p, max_completion_length, use_vllm) come from the spec; its model decides the "
+                       "system turn (none for tiny-cpu, the paper's prompt for the GPU presets).")
+    p.add_argument("--model", required=True, help="model path (a run's final/ folder), 'tiny', or an HF id")
     p.add_argument("--benchmark", action="append", required=True, metavar="NAME=PATH",
-                   help="benchmark name and .parquet/.jsonl file (or 'synthetic'); repeatable")
-    _add_spec_args(p)
+                   help="benchmark name and .parquet/.jsonl file, or 'synthetic' (held-out rows); repeatable")
+    _add_spec_args(p, preset_default="tiny-cpu")
     p.add_argument("--k", type=int, help="samples per prompt (spec eval_k)")
     p.add_argument("--num-prompts", type=int, help="prompts per benchmark (spec eval_num_prompts)")
     p.add_argument("--temperature", type=float, help="sampling temperature (spec eval_temperature)")

@@ -272,8 +272,9 @@ def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[int] | 
         train_env.update(SAGE_MLFLOW_RUN_ID=mlflow_run_id, SAGE_OUTPUT_DIR=str(out))
     server_cmd = server_env = None
     if layout.mode == "server":
+        # bound to loopback: launch() runs the server and the trainers on the same node
         server_cmd = vllm_server_command(spec.model, tp=layout.server_tp, port=port, gpu_mem=server_gpu_mem,
-                                         max_model_len=_max_model_len(spec))
+                                         host="127.0.0.1", max_model_len=_max_model_len(spec))
         server_env = vllm_server_env(layout.server_gpus, base)
     return LaunchPlan(layout=layout, spec=run_spec, spec_path=spec_path, output_dir=out, train_cmd=train_cmd,
                       train_env=train_env, server_cmd=server_cmd, server_env=server_env,

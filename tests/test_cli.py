@@ -196,3 +196,36 @@ def test_train_tiny_end_to_end_with_mlflow(capsys, tmp_path, tiny_model_dir, mon
     assert run.data.params["sage.max_steps"] == "2"
     assert "sage/frac_collapsed" in run.data.metrics and "summary/rollouts" in run.data.metrics
     assert "MLflow run" in stdout
+
+
+def test_eval_hands_spec_settings_to_evaluate(capsys, tmp_path, monkeypatch):
+    """`sage eval` loads each benchmark's rows (held-out synthetic rows, or a file cut to eval_num_prompts) and
+    passes the spec's sampling settings to sage_core.evaluate.evaluate."""
+    import types
+
+    import pandas as pd
+
+    calls = {}
+
+    def fake_evaluate(model_ref, benchmarks, **kw):
+        calls.update(model=model_ref, benchmarks={k: len(v) for k, v in benchmarks.items()}, **kw)
+        return pd.DataFrame([{"benchmark": n, "k": kw["k"], "avg_at_k": 0.5, "pass_at_k": 1.0, "n_prompts": 3}
+                             for n in benchmarks])
+
+    monkeypatch.setitem(sys.modules, "sage_core.evaluate", types.SimpleNamespace(evaluate=fake_evaluate))
+    from sage_core.data import synthetic_rows
+
+    jl = tmp_path / "b.jsonl"
+    jl.write_text("\n".join(json.dumps({"problem": r["problem"], "answer": r["answer"]})
+                            for r in synthetic_rows(10, seed=3)))
+    rc, out, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "syn=synthetic", "--benchmark",
+                           f"file={jl}", "--k", "2", "--num-prompts", "3", "--temperature", "0.7",
+                           "--output", str(tmp_path / "eval.parquet"))
+    assert rc == 0, err
+    assert calls["model"] == "tiny" and calls["benchmarks"] == {"syn": 3, "file": 3}
+    assert calls["k"] == 2 and calls["temperature"] == 0.7 and calls["use_vllm"] is False
+    assert calls["max_new_tokens"] == PRESETS["tiny-cpu"]["max_completion_length"]
+    assert list(pd.read_parquet(tmp_path / "eval.parquet")["benchmark"]) == ["syn", "file"]
+    assert "avg_at_k" in out
+    rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "x=/no/such.parquet")
+    assert rc == 2 and "no such file" in err

@@ -159,6 +159,7 @@ def test_plan_server_mode_rewrites_spec_and_envs(tmp_path):
     assert p.server_env["CUDA_VISIBLE_DEVICES"] == "0" and p.server_env["VLLM_SERVER_DEV_MODE"] == "1"
     assert p.train_env["CUDA_VISIBLE_DEVICES"] == "1,2,3,4,5,6,7" and p.train_env["A"] == "1"
     assert p.server_cmd[p.server_cmd.index("--port") + 1] == "8123"
+    assert p.server_cmd[p.server_cmd.index("--host") + 1] == "127.0.0.1"
     assert p.train_cmd[p.train_cmd.index("--num_processes") + 1] == "7"
     # prompt 2048 + hint 1024 + template margin 256 + completion 8192
     assert p.server_cmd[p.server_cmd.index("--max-model-len") + 1] == str(2048 + 1024 + 256 + 8192)
