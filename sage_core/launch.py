@@ -33,6 +33,7 @@ from .spec import RunSpec
 
 AccelerateConfig = Literal["zero3", "fsdp", "multi_gpu", "single_gpu"]
 ACCELERATE_CONFIGS: tuple[str, ...] = ("zero3", "fsdp", "multi_gpu", "single_gpu")
+GpuId = int | str  # a CUDA_VISIBLE_DEVICES entry: an index, or a GPU UUID ("GPU-...")
 
 # vLLM flags TRL 1.16's server client relies on (trl/scripts/vllm_serve.py::build_command): the NCCL
 # weight-transfer engine, log-probs after temperature (importance-sampling correction), no cap on logprobs.
@@ -128,7 +129,7 @@ def vllm_server_command(model: str, tp: int = 1, port: int = 8000, gpu_mem: floa
     return cmd + list(TRL_VLLM_SERVER_FLAGS) + list(extra_args)
 
 
-def vllm_server_env(gpus: Sequence[int], base: Mapping[str, str] | None = None) -> dict[str, str]:
+def vllm_server_env(gpus: Sequence[GpuId], base: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
@@ -141,8 +142,8 @@ class GpuLayout:
     generate on the training GPUs). GPU ids are physical indices (before CUDA_VISIBLE_DEVICES remapping)."""
 
     mode: Literal["colocate", "server", "hf"]
-    train_gpus: tuple[int, ...]
-    server_gpus: tuple[int, ...] = ()
+    train_gpus: tuple[GpuId, ...]
+    server_gpus: tuple[GpuId, ...] = ()
     notes: tuple[str, ...] = ()
 
     @property
@@ -161,7 +162,7 @@ class GpuLayout:
 
 
 def plan_layout(spec: RunSpec, n_gpus: int, *, vllm_mode: str | None = None, server_gpus: int = 1,
-                gpu_ids: Sequence[int] | None = None) -> GpuLayout:
+                gpu_ids: Sequence[GpuId] | None = None) -> GpuLayout:
     """Decide the layout for `n_gpus` GPUs.
 
     - no vLLM, or colocate: all GPUs train (colocate: each rank also hosts a vLLM engine).
@@ -198,11 +199,13 @@ def plan_layout(spec: RunSpec, n_gpus: int, *, vllm_mode: str | None = None, ser
     return GpuLayout(mode="server", train_gpus=rest[:k], server_gpus=serve, notes=notes)
 
 
-def visible_gpus() -> list[int]:
-    """Physical ids of the visible CUDA GPUs (CUDA_VISIBLE_DEVICES, else torch's count, else nvidia-smi)."""
+def visible_gpus() -> list[GpuId]:
+    """The visible CUDA GPUs as CUDA_VISIBLE_DEVICES names them (indices, or GPU UUIDs as some container runtimes
+    set), else torch's device indices, else nvidia-smi's. The launcher hands subsets of these back through
+    CUDA_VISIBLE_DEVICES, so they are kept as given."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
-        return [int(x) for x in env.split(",") if x.strip().isdigit()]
+        return [int(x) if x.strip().isdigit() else x.strip() for x in env.split(",") if x.strip()]
     try:
         import torch
 
@@ -245,7 +248,7 @@ class LaunchPlan:
         return "\n".join(lines)
 
 
-def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[int] | None = None,
+def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId] | None = None,
          config: str | None = None, vllm_mode: str | None = None, server_gpus: int = 1, port: int = 8000,
          server_gpu_mem: float = 0.9, main_process_port: int | None = None,
          env: Mapping[str, str] | None = None, mlflow_run_id: str | None = None) -> LaunchPlan:
@@ -330,7 +333,7 @@ def wait_for_server(url: str, timeout: float = 900.0, proc: subprocess.Popen | N
     raise TimeoutError(f"vllm serve at {url} not healthy after {timeout:.0f}s")
 
 
-def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[int] | None = None,
+def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId] | None = None,
            config: str | None = None, vllm_mode: str | None = None, server_gpus: int = 1, port: int = 8000,
            server_gpu_mem: float = 0.9, main_process_port: int | None = None,
            log: Callable[[str], None] = print, server_timeout: float = 900.0, check: bool = True,

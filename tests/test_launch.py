@@ -264,3 +264,14 @@ def test_gpu_smoke_metrics_and_table():
     assert grpo_row[0] == "grpo" and grpo_row[7:9] == ["1.00x", "1.00x"]
     assert sage_row[0] == "sage" and sage_row[7:9] == ["1.50x", "0.50x"]
     assert gs.format_table({"sage": sage}).splitlines()[1].split()[7] == "-"  # no GRPO row: no ratio
+
+
+def test_visible_gpus_keeps_cuda_visible_devices_entries(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert L.visible_gpus() == [2, 3]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaa,GPU-bbb")
+    assert L.visible_gpus() == ["GPU-aaa", "GPU-bbb"]
+    p = L.plan(preset("qwen2.5-7b", prompts_per_step=112), tmp_path, vllm_mode="server")
+    assert p.server_env["CUDA_VISIBLE_DEVICES"] == "GPU-aaa" and p.train_env["CUDA_VISIBLE_DEVICES"] == "GPU-bbb"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert L.visible_gpus() == []
