@@ -506,28 +506,40 @@ def compare_url(run_ids: Sequence[str], experiment_id: str) -> str:
 class MlflowTrackingCallback(TrainerCallback):
     """Trainer callback: metrics per step, tracker Parquet files, final checkpoint, all into one MLflow run.
 
-    `run_id` defaults to the fluent active run at `on_train_begin`. Only the main process logs. Tracker files
-    (`<output_dir>/tracker/step_*.parquet`) are uploaded once each; on a resumed run the files already in the
-    run's `tracker/` artifacts are not uploaded again.
+    `run_id` defaults to the fluent active run at `on_train_begin`. With no run id and no active run but a
+    `spec`, the callback opens the run itself (`resume_or_create_run` on the trainer's output_dir, so a resumed
+    training continues the same run) and finishes it at `on_train_end` (the `sage train --mlflow` case).
+    Only the main process logs. Tracker files (`<output_dir>/tracker/step_*.parquet`) are uploaded once each; on a
+    resumed run the files already in the run's `tracker/` artifacts are not uploaded again.
     """
 
     def __init__(self, run_id: str | None = None, output_dir: str | Path | None = None,
-                 log_checkpoint: bool = True, tracker_subdir: str = "tracker"):
+                 log_checkpoint: bool = True, tracker_subdir: str = "tracker", spec: RunSpec | None = None,
+                 experiment: str | None = None):
         self.run_id = run_id
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.log_checkpoint = log_checkpoint
         self.tracker_subdir = tracker_subdir
+        self.spec = spec
+        self.experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
         self.uploaded: set[str] = set()
         self.checkpoint_logged: Path | None = None
+        self.owns_run = False
         self._ready = False
 
     # -- internals
-    def _setup(self, args) -> None:
+    def _setup(self, args=None) -> None:
         if self._ready:
             return
-        self.run_id = active_run_id(self.run_id)
-        if self.output_dir is None:
+        if self.output_dir is None and args is not None:
             self.output_dir = Path(args.output_dir)
+        if self.run_id is None:
+            import mlflow
+
+            if mlflow.active_run() is None and self.spec is not None:
+                self.run_id, _ = resume_or_create_run(self.spec, "train", self.output_dir, self.experiment)
+                self.owns_run = True
+        self.run_id = active_run_id(self.run_id)
         try:
             self.uploaded = {Path(a.path).name for a in client().list_artifacts(self.run_id, self.tracker_subdir)}
         except Exception:  # noqa: BLE001 - an unreadable artifact store only means re-uploading
@@ -536,6 +548,7 @@ class MlflowTrackingCallback(TrainerCallback):
 
     def upload_tracker_files(self) -> list[str]:
         """Upload tracker files not uploaded yet; returns their names."""
+        self._setup()
         tdir = (self.output_dir or Path(".")) / self.tracker_subdir
         if not tdir.is_dir():
             return []
@@ -583,12 +596,39 @@ class MlflowTrackingCallback(TrainerCallback):
                 log_checkpoint(ckpt, self.run_id)
                 self.checkpoint_logged = ckpt
                 client().set_tag(self.run_id, "sage.checkpoint_step", ckpt.name.split("-")[-1])
+        if self.owns_run:
+            finish_run(self.run_id)
+
+
+def make_callback(spec: RunSpec | None = None, experiment: str | None = None, run_id: str | None = None,
+                  output_dir: str | Path | None = None, log_checkpoint: bool | None = None
+                  ) -> MlflowTrackingCallback:
+    """The callback for `sage train --mlflow` and for the ranks `accelerate launch` starts from a flow.
+
+    The run is, in order: `run_id`, `$SAGE_MLFLOW_RUN_ID` (set by the flows), the active run, or one the callback
+    opens for `spec` in `experiment` (and finishes at the end of training).
+    """
+    if log_checkpoint is None:
+        log_checkpoint = os.environ.get("SAGE_MLFLOW_LOG_CHECKPOINT", "1") != "0"
+    return MlflowTrackingCallback(run_id=run_id or os.environ.get("SAGE_MLFLOW_RUN_ID") or None,
+                                  output_dir=output_dir or os.environ.get("SAGE_OUTPUT_DIR") or None,
+                                  log_checkpoint=log_checkpoint, spec=spec, experiment=experiment)
+
+
+def log_history(history: Sequence[Mapping[str, Any]], run_id: str | None = None) -> int:
+    """Log a Trainer `log_history` after the fact (runs whose ranks could not log live). Returns #entries."""
+    n = 0
+    for entry in history:
+        step = entry.get("step")
+        metrics = {k: v for k, v in entry.items() if k != "step"}
+        if metrics:
+            log_metrics(metrics, step=int(step or 0), run_id=run_id)
+            n += 1
+    return n
 
 
 def callback_from_env() -> MlflowTrackingCallback | None:
-    """For processes started by `accelerate launch`: a callback for the run in `SAGE_MLFLOW_RUN_ID`, if set."""
-    rid = os.environ.get("SAGE_MLFLOW_RUN_ID")
-    if not rid:
+    """A callback for the run in `$SAGE_MLFLOW_RUN_ID` (set by the flows for `accelerate launch`), else None."""
+    if not os.environ.get("SAGE_MLFLOW_RUN_ID"):
         return None
-    return MlflowTrackingCallback(run_id=rid, output_dir=os.environ.get("SAGE_OUTPUT_DIR") or None,
-                                  log_checkpoint=os.environ.get("SAGE_MLFLOW_LOG_CHECKPOINT", "1") != "0")
+    return make_callback()

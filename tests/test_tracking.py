@@ -201,3 +201,24 @@ def test_log_table_and_markdown(store, tmp_path):
     assert tracking.compare_url(["a", "b"], "3").endswith(
         "#/compare-runs?runs=%5B%22a%22%2C%20%22b%22%5D&experiments=%5B%223%22%5D")
     assert os.environ["SAGE_HOME"] == str(store)
+
+
+def test_make_callback_owns_a_run_for_sage_train_mlflow(store, tmp_path, monkeypatch):
+    """`sage train --mlflow` without a flow: the callback opens the run on the output dir and finishes it."""
+    monkeypatch.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
+    spec = RunSpec(max_steps=1, seed=7)
+    out = tmp_path / "cli-run"
+    args = SimpleNamespace(output_dir=str(out))
+    cb = tracking.make_callback(spec, experiment="t-own")
+    cb.on_train_begin(args, _state(0), TrainerControl())
+    cb.on_log(args, _state(1), TrainerControl(), logs={"reward": 1.0})
+    cb.on_train_end(args, _state(1), TrainerControl())
+    assert cb.owns_run and tracking.read_run_id(out) == cb.run_id
+    run = tracking.client().get_run(cb.run_id)
+    assert tracking.is_complete(run) and run.data.metrics["reward"] == 1.0
+    # the history of a run whose ranks could not log live
+    rid = tracking.open_run(spec, "train", experiment="t-own")
+    n = tracking.log_history([{"step": 1, "reward": 0.5, "note": "x"}, {"step": 2, "reward": 0.7},
+                              {"step": 2}], run_id=rid)
+    assert n == 2 and [(m.step, m.value) for m in tracking.client().get_metric_history(rid, "reward")] == [
+        (1, 0.5), (2, 0.7)]
