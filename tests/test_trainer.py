@@ -5,6 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from sage_core.data import build_dataset
+from sage_core.hints import write_reference_hints
 from sage_core.presets import preset
 from sage_core.prompts import HINT_HEADER
 from sage_core.tracker import COLUMNS, read_tracker
@@ -20,9 +22,12 @@ def small(method, **kw):
 
 @pytest.fixture(scope="module")
 def sage_hard(tiny_model_dir, tmp_path_factory):
-    """SAGE on hard prompts only (3-4 steps): the regime where GRPO's gate stays closed."""
+    """SAGE on hard prompts only (3-4 steps): the regime where GRPO's gate stays closed. Hints come from a teacher
+    file written from the reference solutions, so their quality does not depend on the tiny policy's copying."""
     out = tmp_path_factory.mktemp("sage_hard")
-    trainer = build_trainer(small("sage", difficulty="hard", max_steps=3), out)
+    spec = small("sage", difficulty="hard", max_steps=3, hint_source="teacher", teacher=str(out / "teacher.jsonl"))
+    write_reference_hints(list(build_dataset(spec)), out / "teacher.jsonl")
+    trainer = build_trainer(spec, out)
     seen = []
     original = trainer._compute_loss
 
@@ -76,13 +81,27 @@ def test_loss_sees_hinted_prompt_ids_exactly_for_hinted_groups(sage_hard):
     assert hinted_rows == expected and sum(expected) > 0
 
 
-def test_hints_never_contain_the_answer(sage_hard):
+def test_online_self_hints_are_written_by_the_policy_and_guarded(tiny_model_dir, tmp_path):
+    from sage_core.hints import leaks
+
+    res = train(small("sage", difficulty="hard", max_steps=1), tmp_path)
+    df = read_tracker(res.tracker_dir)
+    hinted = df[df.max_level_tried > 0]
+    assert len(hinted) > 0 and hinted.hint_l1.notna().any()
+    assert res.log_history[0]["sage/hint_rows"] >= len(hinted)  # one hint request per hinted group and level
+    for _, r in df.iterrows():
+        for lv in (1, 2, 3):
+            if isinstance(r[f"hint_l{lv}"], str):
+                assert not leaks(r[f"hint_l{lv}"], r.answer)
+
+
+def test_teacher_hints_never_contain_the_answer(sage_hard):
     from sage_core.hints import leaks
 
     df = read_tracker(sage_hard[1] / "tracker")
     for _, r in df.iterrows():
         for lv in (1, 2, 3):
-            if r[f"hint_l{lv}"] is not None:
+            if isinstance(r[f"hint_l{lv}"], str):
                 assert not leaks(r[f"hint_l{lv}"], r.answer)
 
 
