@@ -1,0 +1,590 @@
+"""Data access for the SAGE dashboard: MLflow reads (cached) and the per-prompt tracker frames.
+
+Everything here is plain functions of (tracking URI, run id, ...) so the pages stay thin and the pure parts
+(gate-open bins, heatmap matrix, collapsed-prompt table) can be tested without Streamlit.
+
+Caching policy
+- experiment list / run search: ``st.cache_data(ttl=...)`` so a live run shows up without a restart;
+- metric histories: ttl for RUNNING runs, no ttl for finished ones (the status is part of the choice);
+- tracker files: one frame per run, aggregated with pyarrow from ``tracker/step_*.parquet`` and cached by
+  ``(run_id, number of tracker files)``: a live run adds files, which changes the key; a finished run is read once.
+  Only the light columns are loaded for the whole run; the heavy ones (completions, hints) are read for one
+  prompt on demand, from just the step files that prompt appears in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, unquote, urlparse
+from urllib.request import url2pathname
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import streamlit as st
+
+REPO = Path(__file__).resolve().parents[1]
+TRACKER_DIR = "tracker"
+TRACKER_RE = re.compile(r"^step_(\d+)\.parquet$")
+LIVE_TTL = 15  # seconds, for anything that can change while a run is live
+SEARCH_TTL = 30
+
+# tracker columns loaded for the whole run (small, numeric or short strings)
+LIGHT_COLUMNS = ["step", "prompt_id", "difficulty", "base_pass_rate", "base_state", "level", "max_level_tried",
+                 "pass_rate", "rescued", "hint_failed", "rollouts", "leak_l1", "leak_l2", "leak_l3", "method"]
+# tracker columns read per prompt (explorer)
+DETAIL_COLUMNS = ["step", "prompt_id", "problem", "answer", "difficulty", "base_pass_rate", "base_state", "level",
+                  "max_level_tried", "pass_rate", "rescued", "hint", "hint_l1", "hint_l2", "hint_l3", "acc_l1",
+                  "acc_l2", "acc_l3", "leak_l1", "leak_l2", "leak_l3", "hint_failed", "rollouts", "completions",
+                  "rewards", "method"]
+GATE_METRICS = ["sage/frac_all_zero", "sage/frac_all_one", "sage/frac_rescued", "sage/adv_energy"]
+METRIC_LABELS = {
+    "sage/frac_all_zero": "collapsed all-0 (before hints)",
+    "sage/frac_all_one": "collapsed all-1 (before hints)",
+    "sage/frac_rescued": "rescued by hints",
+    "sage/adv_energy": "advantage energy",
+    "sage/frac_collapsed": "collapsed before hints",
+}
+VARIANT_ORDER = ["GRPO", "SAGE-LIGHT", "SAGE (online)", "SAGE (fixed)", "SAGE (teacher)"]
+VARIANT_COLORS = ["#7f7f7f", "#2ca02c", "#1f77b4", "#9467bd", "#ff7f0e"]
+
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # an unreachable server: fail fast, show a message
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tracking store
+
+
+def tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI``, else ``sqlite:///<SAGE_HOME>/mlflow.db`` (SAGE_HOME defaults to ``<repo>/.sage``).
+
+    The rule of ``sage_core.tracking.tracking_uri`` (a test keeps them equal), written out here because importing
+    that module pulls in transformers and torch (seconds per server start) and creates SAGE_HOME as a side effect;
+    the dashboard only reads, and must not create anything when there is no store yet.
+    """
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    home = Path(os.environ.get("SAGE_HOME") or REPO / ".sage").expanduser().resolve()
+    return f"sqlite:///{home / 'mlflow.db'}"
+
+
+def mlflow_ui_url() -> str:
+    """Base URL of the MLflow UI: ``SAGE_MLFLOW_UI_URL``, else http://127.0.0.1:$MLFLOW_PORT (5000), as in
+    ``sage_core.tracking.ui_url``."""
+    url = os.environ.get("SAGE_MLFLOW_UI_URL")
+    if url:
+        return url.rstrip("/")
+    return f"http://127.0.0.1:{os.environ.get('MLFLOW_PORT', '5000')}"
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (relative paths follow the working directory)."""
+    if not uri.startswith("sqlite:"):
+        return None
+    rest = uri[len("sqlite:"):]
+    if rest.startswith("///"):
+        path = rest[3:]
+    elif rest.startswith("//"):
+        path = rest[2:]
+    else:
+        path = rest
+    path = path.split("?", 1)[0]
+    if path in ("", ":memory:"):
+        return None
+    return Path(unquote(path))
+
+
+def store_problem(uri: str) -> str | None:
+    """A human message when the store cannot be read, without touching (or creating) it. None when it looks fine."""
+    db = sqlite_path(uri)
+    if db is not None:
+        if not db.exists():
+            return (f"No MLflow tracking store yet: `{db}` does not exist. Train something first "
+                    "(`make demo`, or `sage train --preset tiny-cpu`), or point `MLFLOW_TRACKING_URI` at a store.")
+        if db.is_dir():
+            return f"`{db}` is a folder, not an MLflow sqlite database. Check `MLFLOW_TRACKING_URI`."
+        return None
+    scheme = urlparse(uri).scheme
+    if scheme in ("", "file"):
+        path = Path(url2pathname(urlparse(uri).path)) if scheme == "file" else Path(uri)
+        if not path.exists():
+            return f"No MLflow tracking store at `{path}`. Check `MLFLOW_TRACKING_URI`."
+    return None
+
+
+@st.cache_resource(show_spinner=False)
+def client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+@st.cache_data(ttl=SEARCH_TTL, show_spinner=False)
+def experiments(uri: str) -> pd.DataFrame:
+    """Active experiments: experiment_id, name, last_update_time."""
+    exps = client(uri).search_experiments(max_results=1000)
+    rows = [{"experiment_id": e.experiment_id, "name": e.name, "last_update_time": e.last_update_time or 0}
+            for e in exps if e.lifecycle_stage == "active"]
+    return pd.DataFrame(rows, columns=["experiment_id", "name", "last_update_time"])
+
+
+RUN_COLUMNS = ["run_id", "run_name", "experiment_id", "status", "start_time", "end_time", "kind", "method",
+               "hint_source", "model", "parent_run_id", "artifact_uri", "num_generations", "params", "metrics"]
+
+
+@st.cache_data(ttl=SEARCH_TTL, show_spinner=False)
+def runs(uri: str, experiment_id: str) -> pd.DataFrame:
+    """All active runs of an experiment, newest first, with the SAGE tags flattened."""
+    c = client(uri)
+    found, token = [], None
+    while True:
+        page = c.search_runs([experiment_id], max_results=1000, order_by=["attributes.start_time DESC"],
+                             page_token=token)
+        found.extend(page)
+        token = page.token
+        if not token or len(found) >= 10000:
+            break
+    rows = []
+    for r in found:
+        t, p = r.data.tags, r.data.params
+        ng = p.get("sage.num_generations")
+        rows.append({
+            "run_id": r.info.run_id, "run_name": r.info.run_name or t.get("mlflow.runName", r.info.run_id[:8]),
+            "experiment_id": r.info.experiment_id, "status": r.info.status,
+            "start_time": pd.to_datetime(r.info.start_time, unit="ms", utc=True) if r.info.start_time else pd.NaT,
+            "end_time": pd.to_datetime(r.info.end_time, unit="ms", utc=True) if r.info.end_time else pd.NaT,
+            "kind": t.get("sage.kind", ""), "method": t.get("sage.method", p.get("sage.method", "")),
+            "hint_source": t.get("sage.hint_source", p.get("sage.hint_source", "")),
+            "model": t.get("sage.model", p.get("sage.model", "")), "parent_run_id": t.get("mlflow.parentRunId", ""),
+            "artifact_uri": r.info.artifact_uri, "num_generations": int(ng) if ng and str(ng).isdigit() else None,
+            "params": dict(p), "metrics": dict(r.data.metrics),
+        })
+    return pd.DataFrame(rows, columns=RUN_COLUMNS)
+
+
+def _history(uri: str, run_id: str, keys: tuple[str, ...]) -> pd.DataFrame:
+    c = client(uri)
+    parts = []
+    for key in keys:
+        hist = c.get_metric_history(run_id, key)
+        if hist:
+            parts.append(pd.DataFrame({"run_id": run_id, "key": key, "step": [m.step for m in hist],
+                                       "value": [m.value for m in hist], "timestamp": [m.timestamp for m in hist]}))
+    if not parts:
+        return pd.DataFrame(columns=["run_id", "key", "step", "value"])
+    df = pd.concat(parts, ignore_index=True)
+    # a metric re-logged at the same step (restarts): keep the last value
+    df = df.sort_values("timestamp").drop_duplicates(["key", "step"], keep="last").drop(columns="timestamp")
+    return df.sort_values(["key", "step"]).reset_index(drop=True)
+
+
+@st.cache_data(ttl=LIVE_TTL, show_spinner=False)
+def _history_live(uri: str, run_id: str, keys: tuple[str, ...]) -> pd.DataFrame:
+    return _history(uri, run_id, keys)
+
+
+@st.cache_data(show_spinner=False, max_entries=256)
+def _history_done(uri: str, run_id: str, keys: tuple[str, ...], status: str) -> pd.DataFrame:
+    return _history(uri, run_id, keys)
+
+
+def metric_history(uri: str, run_id: str, keys, status: str) -> pd.DataFrame:
+    """Long frame run_id, key, step, value for the given metric keys."""
+    keys = tuple(sorted(set(keys)))
+    if status == "RUNNING" or status == "SCHEDULED":
+        return _history_live(uri, run_id, keys)
+    return _history_done(uri, run_id, keys, status)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# artifacts
+
+
+def local_artifact_dir(artifact_uri: str) -> Path | None:
+    """The local folder of a run's artifacts when the URI is a local path, else None (server / object store)."""
+    parsed = urlparse(artifact_uri)
+    if parsed.scheme == "file":
+        return Path(url2pathname(parsed.path))
+    if parsed.scheme == "" or (len(parsed.scheme) == 1 and os.name == "nt"):
+        return Path(artifact_uri)
+    return None
+
+
+def _download(uri: str, run_id: str, artifact_path: str) -> Path:
+    import mlflow
+
+    dst = Path(tempfile.gettempdir()) / "sage-dashboard" / run_id
+    dst.mkdir(parents=True, exist_ok=True)
+    return Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=artifact_path, dst_path=str(dst),
+                                                    tracking_uri=uri))
+
+
+def _list_tracker(uri: str, run_id: str, artifact_uri: str) -> list[str]:
+    local = local_artifact_dir(artifact_uri)
+    if local is not None:
+        d = local / TRACKER_DIR
+        names = [n for n in os.listdir(d) if TRACKER_RE.match(n)] if d.is_dir() else []
+    else:
+        names = [Path(f.path).name for f in client(uri).list_artifacts(run_id, TRACKER_DIR)]
+        names = [n for n in names if TRACKER_RE.match(n)]
+    return sorted(names)
+
+
+@st.cache_data(ttl=LIVE_TTL, show_spinner=False)
+def tracker_files(uri: str, run_id: str, artifact_uri: str) -> list[str]:
+    """Names of the run's tracker files (``step_000001.parquet``, ...), sorted by step."""
+    return _list_tracker(uri, run_id, artifact_uri)
+
+
+def _tracker_dir(uri: str, run_id: str, artifact_uri: str) -> Path:
+    local = local_artifact_dir(artifact_uri)
+    if local is not None:
+        return local / TRACKER_DIR
+    return _download(uri, run_id, TRACKER_DIR)
+
+
+def _read_tables(paths: list[Path], columns: list[str], prompt_id: str | None = None) -> pa.Table | None:
+    tables = []
+    for path in paths:
+        names = pq.read_schema(path).names
+        cols = [c for c in columns if c in names]
+        filt = [("prompt_id", "=", prompt_id)] if prompt_id is not None else None
+        t = pq.read_table(path, columns=cols, filters=filt)
+        if t.num_rows:
+            tables.append(t)
+    if not tables:
+        return None
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def _defaults(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """Fill columns an older tracker did not write, so the pages can rely on the contract's columns."""
+    for col in columns:
+        if col in df.columns:
+            continue
+        if col in ("rescued", "hint_failed", "leak_l1", "leak_l2", "leak_l3"):
+            df[col] = False
+        elif col in ("level", "max_level_tried", "rollouts", "difficulty"):
+            df[col] = -1 if col == "difficulty" else 0
+        elif col in ("base_pass_rate", "pass_rate", "acc_l1", "acc_l2", "acc_l3"):
+            df[col] = np.nan
+        elif col == "base_state":
+            df[col] = "na"
+        else:
+            df[col] = None
+    return df
+
+
+@st.cache_data(show_spinner="Reading the per-prompt tracker ...", max_entries=16)
+def tracker_frame(uri: str, run_id: str, artifact_uri: str, n_files: int) -> pd.DataFrame:
+    """The light tracker columns of every step of a run, one row per (step, prompt), as one frame.
+
+    Cached by (run_id, n_files): a new step file of a live run changes the key, a finished run is read once.
+    """
+    names = _list_tracker(uri, run_id, artifact_uri)[:n_files] if n_files else []
+    if not names:
+        return _defaults(pd.DataFrame(), LIGHT_COLUMNS)
+    folder = _tracker_dir(uri, run_id, artifact_uri)
+    table = _read_tables([folder / n for n in names], LIGHT_COLUMNS)
+    if table is None:
+        return _defaults(pd.DataFrame(), LIGHT_COLUMNS)
+    df = table.to_pandas()
+    df = _defaults(df, LIGHT_COLUMNS)
+    df["prompt_id"] = df["prompt_id"].astype(str).astype("category")
+    df["base_state"] = df["base_state"].fillna("na").astype(str).astype("category")
+    df["method"] = df["method"].astype("category")
+    for col in ("level", "max_level_tried", "rollouts", "difficulty", "step"):
+        df[col] = pd.to_numeric(df[col], errors="coerce").fillna(-1 if col == "difficulty" else 0).astype("int32")
+    for col in ("rescued", "hint_failed", "leak_l1", "leak_l2", "leak_l3"):
+        df[col] = df[col].fillna(False).astype(bool)
+    for col in ("base_pass_rate", "pass_rate"):
+        df[col] = pd.to_numeric(df[col], errors="coerce").astype("float32")
+    return df.sort_values(["step", "prompt_id"], kind="stable").reset_index(drop=True)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def prompt_detail(uri: str, run_id: str, artifact_uri: str, n_files: int, prompt_id: str,
+                  steps: tuple[int, ...]) -> pd.DataFrame:
+    """Every tracker row (all columns) of one prompt, reading only the step files it appears in."""
+    names = _list_tracker(uri, run_id, artifact_uri)[:n_files]
+    by_step = {int(TRACKER_RE.match(n).group(1)): n for n in names}
+    wanted = [by_step[s] for s in steps if s in by_step] or names
+    folder = _tracker_dir(uri, run_id, artifact_uri)
+    table = _read_tables([folder / n for n in wanted], DETAIL_COLUMNS, prompt_id=str(prompt_id))
+    if table is None:
+        return _defaults(pd.DataFrame(), DETAIL_COLUMNS)
+    return _defaults(table.to_pandas(), DETAIL_COLUMNS).sort_values("step").reset_index(drop=True)
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def prompt_texts(uri: str, run_id: str, artifact_uri: str, n_files: int) -> pd.DataFrame:
+    """prompt_id -> problem, answer (first time each prompt appears)."""
+    names = _list_tracker(uri, run_id, artifact_uri)[:n_files]
+    if not names:
+        return pd.DataFrame(columns=["prompt_id", "problem", "answer"])
+    folder = _tracker_dir(uri, run_id, artifact_uri)
+    seen: dict[str, tuple[str, str]] = {}
+    parts = []
+    for n in names:
+        path = folder / n
+        cols = [c for c in ("prompt_id", "problem", "answer") if c in pq.read_schema(path).names]
+        t = pq.read_table(path, columns=cols)
+        if "prompt_id" not in cols:
+            continue
+        ids = t.column("prompt_id").cast(pa.string())
+        new = pc.invert(pc.is_in(ids, value_set=pa.array(list(seen), pa.string()))) if seen else None
+        if new is not None:
+            t = t.filter(new)
+        if t.num_rows:
+            part = t.to_pandas()
+            part["prompt_id"] = part["prompt_id"].astype(str)
+            part = part.drop_duplicates("prompt_id")
+            seen.update(dict.fromkeys(part["prompt_id"], ("", "")))
+            parts.append(part)
+    if not parts:
+        return pd.DataFrame(columns=["prompt_id", "problem", "answer"])
+    df = pd.concat(parts, ignore_index=True)
+    for col in ("problem", "answer"):
+        if col not in df:
+            df[col] = ""
+    return df[["prompt_id", "problem", "answer"]]
+
+
+@st.cache_data(ttl=LIVE_TTL, show_spinner=False, max_entries=64)
+def artifact_parquet(uri: str, run_id: str, artifact_uri: str, path: str) -> pd.DataFrame | None:
+    """A Parquet artifact of a run (``study/comparison.parquet``, ``eval/eval.parquet``) or None if absent."""
+    local = local_artifact_dir(artifact_uri)
+    try:
+        if local is not None:
+            f = local / path
+            if not f.is_file():
+                return None
+        else:
+            listing = {a.path for a in client(uri).list_artifacts(run_id, str(Path(path).parent))}
+            if path not in listing:
+                return None
+            f = _download(uri, run_id, path)
+        return pd.read_parquet(f)
+    except Exception:  # noqa: BLE001 - a missing or unreadable artifact is "absent" for the pages
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pure computations (testable without Streamlit)
+
+
+def gate_open_prob(p, G: int):
+    """u(p) = 1 - (1-p)^G - p^G: the probability that a group of G rollouts is mixed (the gate is open)."""
+    p = np.asarray(p, dtype=float)
+    return 1.0 - (1.0 - p) ** G - p ** G
+
+
+def gate_open_bins(frame: pd.DataFrame, G: int, n_bins: int = 10) -> pd.DataFrame:
+    """Empirical gate-open rate per pass-rate bin, with the theory u(p) for comparison.
+
+    A group is open when ``base_state == "mixed"``. Its pass rate p is estimated from the *other* no-hint groups of
+    the same prompt (leave-one-out mean of ``base_pass_rate``), so a group's own outcome does not decide its bin
+    (binning by the group's own rate would make every bin trivially 0 or 1). Groups of prompts seen only once, and
+    groups without a no-hint rollout (``base_state == "na"``, sage-light) are left out.
+    Columns: bin, p_lo, p_hi, p_mean, groups, open, open_rate, theory (mean of u(p) over the bin's groups).
+    """
+    cols = ["bin", "p_lo", "p_hi", "p_mean", "groups", "open", "open_rate", "theory"]
+    if frame.empty:
+        return pd.DataFrame(columns=cols)
+    f = frame.loc[frame["base_state"].astype(str).isin(["all0", "all1", "mixed"]) & frame["base_pass_rate"].notna(),
+                  ["prompt_id", "base_pass_rate", "base_state"]]
+    if f.empty:
+        return pd.DataFrame(columns=cols)
+    pid = f["prompt_id"].astype(str)
+    x = f["base_pass_rate"].astype(float)
+    s = x.groupby(pid).transform("sum")
+    n = x.groupby(pid).transform("count")
+    keep = n >= 2
+    p = ((s - x) / (n - 1)).where(keep).clip(0.0, 1.0)
+    opened = (f["base_state"].astype(str) == "mixed")
+    d = pd.DataFrame({"p": p, "open": opened}).dropna()
+    if d.empty:
+        return pd.DataFrame(columns=cols)
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    d["bin"] = np.clip(np.digitize(d["p"], edges[1:-1], right=False), 0, n_bins - 1)
+    d["u"] = gate_open_prob(d["p"], G)
+    g = d.groupby("bin").agg(p_mean=("p", "mean"), groups=("open", "size"), open=("open", "sum"),
+                             theory=("u", "mean")).reset_index()
+    g["p_lo"] = edges[g["bin"]]
+    g["p_hi"] = edges[g["bin"] + 1]
+    g["open"] = g["open"].astype(int)
+    g["open_rate"] = g["open"] / g["groups"]
+    return g[cols]
+
+
+def prompt_summary(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per prompt: difficulty, steps seen, mean pass rates, mean/max level, collapse counts, never-solved."""
+    if frame.empty:
+        return pd.DataFrame(columns=["prompt_id", "difficulty", "steps", "pass_rate", "base_pass_rate", "mean_level",
+                                     "max_level", "all0", "all1", "collapsed", "rescued", "hint_failed",
+                                     "never_solved", "never_solved_no_hint"])
+    f = frame.assign(
+        _all0=frame["base_state"].astype(str) == "all0",
+        _all1=frame["base_state"].astype(str) == "all1",
+        _coll=collapsed_mask(frame),
+        _solved=frame["pass_rate"].fillna(0) > 0,
+        _solved_base=frame["base_pass_rate"].fillna(0) > 0,
+    )
+    g = f.groupby("prompt_id", observed=True)
+    out = pd.DataFrame({
+        "difficulty": g["difficulty"].max(),
+        "steps": g["step"].size(),
+        "pass_rate": g["pass_rate"].mean(),
+        "base_pass_rate": g["base_pass_rate"].mean(),
+        "mean_level": g["level"].mean(),
+        "max_level": g["level"].max(),
+        "all0": g["_all0"].sum(),
+        "all1": g["_all1"].sum(),
+        "collapsed": g["_coll"].sum(),
+        "rescued": g["rescued"].sum(),
+        "hint_failed": g["hint_failed"].sum(),
+        "never_solved": ~g["_solved"].any(),
+        "never_solved_no_hint": ~g["_solved_base"].any(),
+    }).reset_index()
+    out["prompt_id"] = out["prompt_id"].astype(str)
+    return out
+
+
+def collapsed_mask(frame: pd.DataFrame) -> pd.Series:
+    """Groups whose gate was closed: the no-hint group was all-0 or all-1. When the method hinted before rolling
+    out (``base_state == "na"``, sage-light) the trained group's own pass rate decides (0 or 1)."""
+    state = frame["base_state"].astype(str)
+    na = state == "na"
+    final = frame["pass_rate"].astype(float)
+    return state.isin(["all0", "all1"]) | (na & ((final == 0) | (final == 1)))
+
+
+SORTS = {
+    "difficulty (hardest first)": (["difficulty", "pass_rate", "prompt_id"], [False, True, True]),
+    "overall pass rate (lowest first)": (["pass_rate", "prompt_id"], [True, True]),
+    "mean hint level (highest first)": (["mean_level", "pass_rate", "prompt_id"], [False, True, True]),
+    "prompt id": (["prompt_id"], [True]),
+}
+
+
+def sort_prompts(summary: pd.DataFrame, how: str) -> pd.DataFrame:
+    by, asc = SORTS[how]
+    return summary.sort_values(by, ascending=asc, kind="stable", na_position="last").reset_index(drop=True)
+
+
+def level_cells(frame: pd.DataFrame, prompt_ids: list[str], max_cols: int) -> tuple[pd.DataFrame, int]:
+    """Heatmap cells for the given prompts: prompt_id, step_lo, step_hi, level (max level in the step bin),
+    pass_rate (mean). Steps are binned into at most ``max_cols`` columns. Returns (cells, bin width)."""
+    sub = frame.loc[frame["prompt_id"].isin(prompt_ids), ["prompt_id", "step", "level", "pass_rate", "base_state"]]
+    if sub.empty:
+        return pd.DataFrame(columns=["prompt_id", "step_lo", "step_hi", "level", "pass_rate"]), 1
+    s_min, s_max = int(frame["step"].min()), int(frame["step"].max())
+    width = max(1, int(np.ceil((s_max - s_min + 1) / max(1, max_cols))))
+    sub = sub.assign(prompt_id=sub["prompt_id"].astype(str), step_lo=s_min + (sub["step"] - s_min) // width * width)
+    cells = sub.groupby(["prompt_id", "step_lo"], observed=True).agg(
+        level=("level", "max"), pass_rate=("pass_rate", "mean"), base_state=("base_state", "last")).reset_index()
+    cells["step_hi"] = cells["step_lo"] + width
+    cells["base_state"] = cells["base_state"].astype(str)
+    return cells, width
+
+
+def step_x(field: str = "step", title: str = "step"):
+    """An integer step axis (no 1.5 ticks on short runs)."""
+    import altair as alt
+
+    return alt.X(f"{field}:Q", title=title, axis=alt.Axis(format="d", tickMinStep=1), scale=alt.Scale(nice=False))
+
+
+def variant_label(method: str, hint_source: str) -> str:
+    m = (method or "").lower()
+    if m == "grpo":
+        return "GRPO"
+    if m == "sage-light":
+        return "SAGE-LIGHT"
+    if m == "sage":
+        return f"SAGE ({hint_source or 'online'})"
+    return (method or "?").upper()
+
+
+def variant_color(order: list[str]):
+    """A colour scale that keeps each variant's colour across charts (GRPO gray, SAGE-LIGHT green, ...)."""
+    import altair as alt
+
+    extra = ["#8c564b", "#e377c2", "#bcbd22", "#17becf", "#d62728"]
+    colors = [VARIANT_COLORS[VARIANT_ORDER.index(v)] if v in VARIANT_ORDER else extra[i % len(extra)]
+              for i, v in enumerate(order)]
+    return alt.Scale(domain=list(order), range=colors)
+
+
+def variant_rank(label: str) -> int:
+    return VARIANT_ORDER.index(label) if label in VARIANT_ORDER else len(VARIANT_ORDER)
+
+
+def compare_url(run_ids: list[str], experiment_ids: list[str], base: str | None = None) -> str:
+    """MLflow's compare page for the runs: ``#/compare-runs?runs=[...]&experiments=[...]`` (JSON, URL-encoded)."""
+    base = (base or mlflow_ui_url()).rstrip("/")
+    enc = lambda xs: quote(json.dumps(list(xs), separators=(",", ":")), safe="")
+    return f"{base}/#/compare-runs?runs={enc(run_ids)}&experiments={enc(dict.fromkeys(experiment_ids))}"
+
+
+def run_url(run_id: str, experiment_id: str, base: str | None = None) -> str:
+    return f"{(base or mlflow_ui_url()).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# page context (filled by app.py, read by the pages)
+
+
+@dataclass
+class Context:
+    uri: str
+    experiment_id: str
+    experiment_name: str
+    runs: pd.DataFrame  # all runs of the experiment
+    selected: list[str]  # run ids picked in the sidebar
+
+    def run(self, run_id: str) -> pd.Series:
+        return self.runs.set_index("run_id").loc[run_id]
+
+    def label(self, run_id: str) -> str:
+        r = self.run(run_id)
+        parts = [r["run_name"], r["method"] + (f"/{r['hint_source']}" if r["hint_source"] else "")]
+        return " · ".join(p for p in parts if p) + f" ({run_id[:8]})"
+
+
+CTX_KEY = "_sage_ctx"
+
+
+def context() -> Context:
+    """The context app.py built for this rerun (pages call this)."""
+    ctx = st.session_state.get(CTX_KEY)
+    if ctx is None:  # a page run on its own (not through app.py)
+        st.warning("Open the dashboard through `streamlit run dashboards/app.py`.")
+        st.stop()
+    return ctx
+
+
+def pick_run(ctx: Context, key: str, predicate=None, label: str = "Run") -> str | None:
+    """One run among the sidebar selection (or all runs when none selected) for single-run pages."""
+    pool = ctx.selected or list(ctx.runs["run_id"])
+    if predicate is not None:
+        rows = ctx.runs.set_index("run_id")
+        pool = [r for r in pool if predicate(rows.loc[r])] or [r for r in rows.index if predicate(rows.loc[r])]
+    if not pool:
+        return None
+    return st.selectbox(label, pool, format_func=ctx.label, key=key)
+
+
+def tracker_for(ctx: Context, run_id: str) -> tuple[pd.DataFrame, int]:
+    r = ctx.run(run_id)
+    n = len(tracker_files(ctx.uri, run_id, r["artifact_uri"]))
+    return tracker_frame(ctx.uri, run_id, r["artifact_uri"], n), n
