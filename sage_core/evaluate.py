@@ -1,0 +1,175 @@
+"""No-hint evaluation: avg@k (mean accuracy over all k samples of all prompts, the paper's metric) and pass@k
+(fraction of prompts with at least one correct sample). Prompts are the rows' own `prompt` (level 0: no hint),
+rendered with the tokenizer's chat template; HF `generate` on CPU/GPU, or vLLM (`use_vllm=True`, CUDA only)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import prompts
+from .reward import score
+
+logger = logging.getLogger(__name__)
+
+COLUMNS = ["benchmark", "k", "avg_at_k", "pass_at_k", "n_prompts"]
+
+
+def _as_rows(rows: Any) -> list[dict[str, Any]]:
+    if isinstance(rows, (str, bytes)) or hasattr(rows, "__fspath__"):
+        from .data import load_rows
+
+        rows = load_rows(str(rows))
+    return [dict(r) for r in rows]
+
+
+def _messages(row: Mapping[str, Any]) -> list[dict[str, str]]:
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        return prompts.chat(prompt)
+    if prompt:
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    return prompts.chat(str(row["problem"]))
+
+
+def render_prompt(tokenizer, row: Mapping[str, Any]) -> str:
+    """The no-hint prompt text of a row, as TRL renders it (chat template + generation prompt)."""
+    messages = _messages(row)
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n".join(m["content"] for m in messages)
+
+
+def summarise(rows: Sequence[Mapping[str, Any]], completions: Sequence[Sequence[str]], k: int) -> dict[str, Any]:
+    """avg@k / pass@k of `completions[i]` (k strings) against `rows[i]["answer"]`."""
+    per_prompt: dict[str, float] = {}
+    correct: dict[str, list[float]] = {}
+    for i, (row, comps) in enumerate(zip(rows, completions, strict=True)):
+        pid = str(row.get("prompt_id", i))
+        scores = [score(c, str(row["answer"])) for c in comps]
+        correct[pid] = scores
+        per_prompt[pid] = sum(scores) / len(scores) if scores else 0.0
+    n = len(per_prompt)
+    return {
+        "k": k,
+        "n_prompts": n,
+        "avg_at_k": sum(per_prompt.values()) / n if n else float("nan"),
+        "pass_at_k": sum(any(s > 0 for s in v) for v in correct.values()) / n if n else float("nan"),
+        "per_prompt": per_prompt,
+        "completions": {pid: list(c) for pid, c in zip(per_prompt, completions)},
+    }
+
+
+def generate_hf(model, tokenizer, texts: Sequence[str], k: int = 4, temperature: float = 0.6, top_p: float = 0.95,
+                max_new_tokens: int = 64, batch_size: int = 32, seed: int = 0) -> list[list[str]]:
+    """k sampled completions per prompt text with HF generate (greedy when temperature == 0). `batch_size` is the
+    number of sequences per generate call (prompts per call = batch_size // k, at least 1)."""
+    import torch
+
+    per_call = max(1, batch_size // k)
+    was_training, old_side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sample = temperature > 0
+    gen_kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, do_sample=sample,
+                                      num_return_sequences=k if sample else 1)
+    if sample:
+        gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+    out: list[list[str]] = []
+    try:
+        device = next(model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            for start in range(0, len(texts), per_call):
+                chunk = list(texts[start:start + per_call])
+                enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+                with torch.no_grad():
+                    ids = model.generate(**enc, **gen_kwargs)
+                decoded = tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                reps = k if sample else 1
+                for j in range(len(chunk)):
+                    group = decoded[j * reps:(j + 1) * reps]
+                    out.append(group if sample else group * k)
+    finally:
+        tokenizer.padding_side = old_side
+        model.train(was_training)
+    return out
+
+
+def evaluate_rows(model, tokenizer, rows, k: int = 4, temperature: float = 0.6, top_p: float = 0.95,
+                  max_new_tokens: int = 64, batch_size: int = 32, seed: int = 0) -> dict[str, Any]:
+    """No-hint avg@k / pass@k of an HF model on `rows` (a list of row dicts, a Dataset, or a data file path).
+
+    Returns {"k", "n_prompts", "avg_at_k", "pass_at_k", "per_prompt": {prompt_id: accuracy},
+    "completions": {prompt_id: [k completions]}}."""
+    rows = _as_rows(rows)
+    texts = [render_prompt(tokenizer, r) for r in rows]
+    completions = generate_hf(model, tokenizer, texts, k=k, temperature=temperature, top_p=top_p,
+                              max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
+    return summarise(rows, completions, k)
+
+
+def _generate_vllm(model_ref: str, benchmarks: dict[str, list[dict]], k: int, temperature: float, top_p: float,
+                   max_new_tokens: int, seed: int, gguf_file: str | None,
+                   gpu_memory_utilization: float) -> dict[str, list[list[str]]]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("use_vllm=True needs a CUDA GPU; use the HF path (use_vllm=False) on CPU")
+    try:
+        from vllm import LLM, SamplingParams
+    except ImportError as e:
+        raise ImportError("use_vllm=True needs vLLM: pip install -e '.[gpu]'") from e
+    from .models import resolve_model_path
+
+    path = resolve_model_path(model_ref)
+    if gguf_file:
+        from pathlib import Path
+
+        path = str(Path(path) / gguf_file)
+    llm = LLM(model=path, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
+    out = {}
+    for name, rows in benchmarks.items():
+        texts = [render_prompt(tokenizer, r) for r in rows]
+        results = llm.generate(texts, params)
+        out[name] = [[o.text for o in r.outputs] for r in results]
+    return out
+
+
+def evaluate(model_ref, benchmarks: dict[str, Any], use_vllm: bool = False, k: int = 4, temperature: float = 0.6,
+             top_p: float = 0.95, max_new_tokens: int = 64, batch_size: int = 32, seed: int = 0,
+             gguf_file: str | None = None, gpu_memory_utilization: float = 0.5):
+    """One row per benchmark: benchmark, k, avg_at_k, pass_at_k, n_prompts (a pandas DataFrame).
+
+    model_ref: a name/path for `models.load_policy` ('tiny', 'smollm2', a dir, a .gguf, an HF id) or a
+    (model, tokenizer) pair (HF path only). benchmarks: name -> rows (list of dicts or Dataset) or a data file path.
+    """
+    import pandas as pd
+
+    loaded = {name: _as_rows(rows) for name, rows in benchmarks.items()}
+    records = []
+    if use_vllm:
+        if not isinstance(model_ref, str):
+            raise TypeError("use_vllm=True needs model_ref as a name or path")
+        gens = _generate_vllm(model_ref, loaded, k, temperature, top_p, max_new_tokens, seed, gguf_file,
+                              gpu_memory_utilization)
+        for name, rows in loaded.items():
+            records.append({"benchmark": name, **summarise(rows, gens[name], k)})
+    else:
+        if isinstance(model_ref, str):
+            from .models import load_policy
+
+            model, tokenizer = load_policy(model_ref, gguf_file=gguf_file)
+        else:
+            model, tokenizer = model_ref
+        for name, rows in loaded.items():
+            res = evaluate_rows(model, tokenizer, rows, k=k, temperature=temperature, top_p=top_p,
+                                max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
+            logger.info("eval %s: avg@%d %.3f pass@%d %.3f (%d prompts)", name, k, res["avg_at_k"], k,
+                        res["pass_at_k"], res["n_prompts"])
+            records.append({"benchmark": name, **res})
+    return pd.DataFrame([{c: r[c] for c in COLUMNS} for r in records], columns=COLUMNS)

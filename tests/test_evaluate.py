@@ -1,0 +1,136 @@
+"""No-hint evaluation: avg@k / pass@k with fake generators (exact values) and with the warm-started tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from sage_core import data, models, prompts
+from sage_core.evaluate import COLUMNS, evaluate, evaluate_rows, render_prompt, summarise
+
+
+class FakeModel(torch.nn.Module):
+    """Answers by looking the problem up: sample j of each prompt is right iff right(j) (and no hint is present)."""
+
+    def __init__(self, tok, rows, right=lambda j: True):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.tok, self.right = tok, right
+        self.answers = {r["problem"]: r["answer"] for r in rows}
+        self.seen_prompts: list[str] = []
+
+    def generate(self, input_ids, attention_mask=None, num_return_sequences=1, **kw):
+        outs = []
+        for ids in input_ids:
+            text = self.tok.decode(ids, skip_special_tokens=True)
+            self.seen_prompts.append(text)
+            answer = self.answers.get(text)
+            for j in range(num_return_sequences):
+                ans = answer if (answer is not None and self.right(j)) else "31"
+                new = self.tok.encode(f"The answer is \\boxed{{{ans}}} .", add_special_tokens=False)
+                outs.append(ids.tolist() + new + [self.tok.eos_token_id])
+        width = max(map(len, outs))
+        return torch.tensor([o + [self.tok.pad_token_id] * (width - len(o)) for o in outs])
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return models.build_tokenizer()
+
+
+def test_always_right_model_scores_one(tok):
+    rows = data.synthetic_rows(10, seed=1)
+    fake = FakeModel(tok, rows)
+    res = evaluate_rows(fake, tok, rows, k=4, batch_size=8)
+    assert res["avg_at_k"] == 1.0 and res["pass_at_k"] == 1.0 and res["n_prompts"] == 10 and res["k"] == 4
+    assert res["per_prompt"] == {r["prompt_id"]: 1.0 for r in rows}
+    assert all(len(c) == 4 for c in res["completions"].values())
+    # prompts were the rows' own no-hint prompts
+    assert sorted(set(fake.seen_prompts)) == sorted(r["problem"] for r in rows)
+    assert not any(prompts.HINT_HEADER in p for p in fake.seen_prompts)
+
+
+def test_one_right_sample_of_k(tok):
+    rows = data.synthetic_rows(6, seed=2)
+    res = evaluate_rows(FakeModel(tok, rows, right=lambda j: j == 0), tok, rows, k=4)
+    assert res["avg_at_k"] == pytest.approx(0.25) and res["pass_at_k"] == 1.0
+
+
+def test_never_right_and_mixed_prompts(tok):
+    rows = data.synthetic_rows(4, seed=3)
+    fake = FakeModel(tok, rows[:2])  # knows only half the answers
+    res = evaluate_rows(fake, tok, rows, k=3)
+    assert res["avg_at_k"] == 0.5 and res["pass_at_k"] == 0.5
+    assert [res["per_prompt"][r["prompt_id"]] for r in rows] == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_summarise_matches_definitions():
+    rows = [{"prompt_id": "a", "answer": "1"}, {"prompt_id": "b", "answer": "2"}]
+    comps = [["\\boxed{1}", "\\boxed{0}"], ["\\boxed{0}", "no"]]
+    res = summarise(rows, comps, k=2)
+    assert res["avg_at_k"] == 0.25 and res["pass_at_k"] == 0.5 and res["per_prompt"] == {"a": 0.5, "b": 0.0}
+
+
+def test_render_prompt_uses_the_row_prompt_or_problem(tok):
+    row = data.synthetic_rows(1)[0]
+    assert render_prompt(tok, row) == f"<|user|>{row['problem']}<|assistant|>"
+    assert render_prompt(tok, {"problem": "Hi ?", "answer": "1"}) == "<|user|>Hi ?<|assistant|>"
+
+
+def test_evaluate_dataframe_and_file_benchmarks(tok, tmp_path):
+    rows = data.synthetic_rows(5, seed=4)
+    path = tmp_path / "bench.jsonl"
+    path.write_text("\n".join(json.dumps({k: r[k] for k in ("problem", "answer", "solution", "prompt_id")})
+                              for r in rows))
+    fake = FakeModel(tok, rows, right=lambda j: j % 2 == 0)
+    df = evaluate((fake, tok), {"synthetic": rows, "file": str(path)}, k=2)
+    assert isinstance(df, pd.DataFrame) and list(df.columns) == COLUMNS
+    assert df["benchmark"].tolist() == ["synthetic", "file"]
+    assert df["avg_at_k"].tolist() == [0.5, 0.5] and df["pass_at_k"].tolist() == [1.0, 1.0]
+    assert df["n_prompts"].tolist() == [5, 5] and df["k"].tolist() == [2, 2]
+
+
+def test_vllm_path_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        evaluate("tiny", {"x": data.synthetic_rows(1)}, use_vllm=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# with the warm-started tiny model
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    torch.set_num_threads(1)
+    return models.load_policy("tiny")
+
+
+def test_tiny_model_easy_beats_hard(tiny):
+    model, tok = tiny
+    model.train()  # evaluate_rows must switch to eval and back
+    easy = data.synthetic_rows(48, seed=31, difficulty="easy")
+    hard = data.synthetic_rows(48, seed=31, difficulty="hard")
+    r_easy = evaluate_rows(model, tok, easy, k=4, temperature=0.6, max_new_tokens=40, batch_size=96)
+    r_hard = evaluate_rows(model, tok, hard, k=4, temperature=0.6, max_new_tokens=48, batch_size=96)
+    assert model.training and tok.padding_side == "left"
+    print(r_easy["avg_at_k"], r_easy["pass_at_k"], r_hard["avg_at_k"], r_hard["pass_at_k"])
+    assert r_easy["avg_at_k"] >= r_hard["avg_at_k"] + 0.1
+    for r in (r_easy, r_hard):
+        assert r["pass_at_k"] >= r["avg_at_k"]
+        assert r["pass_at_k"] == pytest.approx(sum(v > 0 for v in r["per_prompt"].values()) / 48)
+    # same seed, same numbers
+    again = evaluate_rows(model, tok, easy[:12], k=2, max_new_tokens=40, seed=5)
+    assert again == evaluate_rows(model, tok, easy[:12], k=2, max_new_tokens=40, seed=5)
+
+
+def test_greedy_gives_k_identical_samples(tiny):
+    model, tok = tiny
+    rows = data.synthetic_rows(4, seed=32, difficulty="easy")
+    res = evaluate_rows(model, tok, rows, k=3, temperature=0.0, max_new_tokens=40)
+    assert all(len(set(c)) == 1 and len(c) == 3 for c in res["completions"].values())
+    assert set(res["per_prompt"].values()) <= {0.0, 1.0}
