@@ -229,3 +229,19 @@ def test_eval_hands_spec_settings_to_evaluate(capsys, tmp_path, monkeypatch):
     assert "avg_at_k" in out
     rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "x=/no/such.parquet")
     assert rc == 2 and "no such file" in err
+
+
+def test_eval_tiny_for_real(capsys, tmp_path, tiny_model_dir):
+    """`sage eval` on the offline tiny model with the real sage_core.evaluate (HF generate, 3 prompts, k=2)."""
+    import pandas as pd
+
+    out = tmp_path / "eval.parquet"
+    rc, stdout, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "syn=synthetic", "--k", "2",
+                              "--num-prompts", "3", "--output", str(out))
+    assert rc == 0, err
+    df = pd.read_parquet(out)
+    assert list(df.columns) == ["benchmark", "k", "avg_at_k", "pass_at_k", "n_prompts"]
+    row = df.iloc[0]
+    assert row["benchmark"] == "syn" and row["k"] == 2 and row["n_prompts"] == 3
+    assert 0.0 <= row["avg_at_k"] <= row["pass_at_k"] <= 1.0
+    assert "avg_at_k" in stdout
