@@ -2,6 +2,7 @@
 
 Reads the same MLflow store as the flows (``MLFLOW_TRACKING_URI``, else ``sqlite:///<SAGE_HOME>/mlflow.db``) and the
 per-prompt tracker artifacts. The sidebar picks the experiment and runs; the pages read them from the context.
+`?experiment=<name>&run=<run id>` in the URL preselects them.
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ if exps.empty:
 
 names = list(exps["name"])
 qp_exp = st.query_params.get("experiment")
-default_exp = qp_exp if qp_exp in names else ("sage" if "sage" in names else None)
-if default_exp is None:  # the most recently updated experiment that has runs
-    default_exp = exps.sort_values("last_update_time", ascending=False)["name"].iloc[0]
+if qp_exp in names:  # ?experiment=<name> in the URL
+    default_exp = qp_exp
+else:  # the newest experiment other than MLflow's empty "Default" (the demo's hint-study, or `sage`)
+    own = exps[exps["experiment_id"] != "0"] if len(exps) > 1 else exps
+    default_exp = own.sort_values("last_update_time", ascending=False)["name"].iloc[0]
 if st.session_state.get("experiment") not in names:
     st.session_state["experiment"] = default_exp
 exp_name = st.sidebar.selectbox("Experiment", names, key="experiment")

@@ -50,12 +50,14 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None
 
 
 @pytest.fixture(scope="module")
-def streamlit_server(dashboard_store):
+def streamlit_server(request):
     if not (os.path.exists(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
         pytest.skip(f"{CHROMIUM} is absent: install Debian's chromium (`make browser`) to run the browser test")
     pytest.importorskip("playwright.sync_api", reason="the playwright python package is not installed")
+    # SAGE_E2E_TRACKING_URI: look at another store (e.g. a real study) instead of the synthetic one
+    uri = os.environ.get("SAGE_E2E_TRACKING_URI") or request.getfixturevalue("dashboard_store")["uri"]
     port = _free_port()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": dashboard_store["uri"], "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"}
     SHOTS.mkdir(parents=True, exist_ok=True)
     log = (SHOTS / "streamlit.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(REPO / "dashboards" / "app.py"),

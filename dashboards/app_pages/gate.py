@@ -76,7 +76,7 @@ else:
         area = alt.Chart(one.assign(state=one["key"].map({"sage/frac_all_zero": "all-0 (too hard)",
                                                           "sage/frac_all_one": "all-1 (too easy)"}))).mark_area(
             opacity=0.8).encode(
-            x=D.step_x(), y=alt.Y("value:Q", stack=True, title="fraction of groups collapsed before hints"),
+            x=D.step_x(), y=alt.Y("value:Q", stack=True, title="collapsed before hints"),
             color=alt.Color("state:N", scale=alt.Scale(range=["#d62728", "#1f77b4"]), title=None),
             tooltip=["state", "step", alt.Tooltip("value:Q", format=".3f")]).properties(height=220)
         resc = hist[(hist["run_id"] == picked[0]) & (hist["key"] == "sage/frac_rescued")]

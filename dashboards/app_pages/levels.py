@@ -68,7 +68,7 @@ shown = ordered.iloc[(page - 1) * per_page: page * per_page]
 ids = list(shown["prompt_id"])
 
 n_steps = int(frame["step"].nunique())
-cells, width = D.level_cells(frame, ids, max_cols=120)
+cells, width = D.level_cells(frame, ids, max_cols=100)
 never = set(shown.loc[shown["never_solved"], "prompt_id"])
 cells["never_solved"] = cells["prompt_id"].isin(never)
 never_list = sorted(never)
@@ -82,10 +82,11 @@ heat = alt.Chart(cells).mark_rect(stroke="white", strokeWidth=0.3 if len(ids) <=
     x=alt.X("step_lo:O", title="step" + (f" (bins of {width}, max level)" if width > 1 else ""),
             axis=alt.Axis(labelOverlap="parity", labelAngle=0)),
     y=y,
-    color=alt.Color("level:O", scale=alt.Scale(domain=[0, 1, 2, 3], range=LEVEL_COLORS), title="hint level"),
+    color=alt.Color("level:O", scale=alt.Scale(domain=[0, 1, 2, 3], range=LEVEL_COLORS), title="hint level",
+                    legend=alt.Legend(orient="top", direction="horizontal")),
     tooltip=["prompt_id", alt.Tooltip("step_lo:Q", title="step"), "level",
              alt.Tooltip("pass_rate:Q", format=".2f", title="pass rate"), alt.Tooltip("base_state:N", title="base")],
-).properties(height=height, width=min(1000, max(300, 12 * cells["step_lo"].nunique())))
+).properties(height=height, width=min(780, max(300, 12 * cells["step_lo"].nunique())))
 flag = shown.assign(flag=shown["never_solved"].map({True: "never solved", False: "solved at least once"}))
 strip = alt.Chart(flag).mark_rect().encode(
     y=alt.Y("prompt_id:N", sort=ids, axis=None),

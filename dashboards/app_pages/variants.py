@@ -137,5 +137,8 @@ if evals:
         row=alt.Row("benchmark:N", title=None),
         tooltip=["variant", "benchmark", "when", "k", alt.Tooltip(f"{stat}:Q", format=".3f"), "n_prompts"],
     ).properties(width=90, height=160), key="variants_eval")
-    st.dataframe(ev.pivot_table(index=["benchmark", "variant"], columns="when", values=stat, observed=True)
-                 .reset_index(), hide_index=True, key="variants_eval_table")
+    table = ev.pivot_table(index=["benchmark", "variant"], columns="when", values=stat, observed=True).reset_index()
+    table = table.sort_values(["benchmark", "variant"], key=lambda c: c.map(D.variant_rank) if c.name == "variant"
+                              else c, kind="stable")
+    table.columns.name = None
+    st.dataframe(table, hide_index=True, key="variants_eval_table")
