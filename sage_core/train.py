@@ -57,8 +57,8 @@ def build_config(spec: RunSpec, output_dir: str | Path):
     cuda = torch.cuda.is_available()
     bf16 = cuda if spec.bf16 is None else spec.bf16
     vllm_len = None
-    if spec.use_vllm and spec.max_prompt_length:
-        vllm_len = spec.max_prompt_length + spec.max_completion_length
+    if spec.use_vllm and spec.max_prompt_length:  # room for the hint and its header (and the hint request)
+        vllm_len = spec.max_prompt_length + spec.hint_max_tokens + 256 + spec.max_completion_length
     return SageConfig(
         output_dir=str(output_dir),
         max_steps=spec.max_steps * spec.updates_per_generation,
