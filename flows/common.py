@@ -1,0 +1,309 @@
+"""Pieces shared by the flows: run folders, the train/evaluate tasks, Prefect progress, and result rows.
+
+Heavy imports (torch, transformers via sage_core.train/evaluate) happen inside the tasks, so importing the flows
+(serve, `prefect deploy`, tests) stays fast.
+
+Reliability:
+- `train_task` retries transient failures; every attempt calls `train(..., resume=True)` on the same output dir
+  (so it continues from the last `checkpoint-*`) and logs into the same MLflow run (its id is kept in
+  `<output_dir>/mlflow_run_id`).
+- Results are cached by Prefect on their inputs (spec, output dir, MLflow run id, code version): a flow re-run
+  after a crash in evaluation does not train again. MLflow is the source of truth for "finished" (tag
+  `sage.complete`), so the skip logic also holds when the Prefect database is new.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
+from transformers import TrainerCallback
+
+from sage_core import tracking
+from sage_core.spec import RunSpec
+
+SUMMARY_KEYS = ("never_solved", "never_solved_no_hint", "frac_collapsed", "frac_rescued", "rollouts", "rescued",
+                "prompts_seen", "reward")
+NOT_TRANSIENT = (ValueError, TypeError, KeyError, ImportError, NotImplementedError, AssertionError,
+                 FileNotFoundError)
+
+
+# ----------------------------------------------------------------------------------------------- paths
+def slug(s: str) -> str:
+    """Lowercase letters, digits and dashes (what Prefect artifact keys accept)."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", s.lower())).strip("-") or "x"
+
+
+def runs_root() -> Path:
+    return tracking.sage_home() / "runs"
+
+
+def run_dir(experiment: str, label: str, spec: RunSpec, fresh: bool = False) -> Path:
+    """`<SAGE_HOME>/runs/<experiment>/<label>-<spec_key>`: the same spec resumes in the same folder.
+    `fresh` adds a timestamp (force a new run)."""
+    name = f"{slug(label)}-{spec.key()}"
+    if fresh:
+        name += time.strftime("-%Y%m%d-%H%M%S")
+    return runs_root() / slug(experiment) / name
+
+
+def code_version() -> str:
+    return tracking.git_commit()
+
+
+# ----------------------------------------------------------------------------------------------- benchmarks
+def default_benchmarks(spec: RunSpec) -> dict[str, Any]:
+    """The held-out no-hint eval set of a spec (`sage_core.data.eval_rows`) as {name: rows}."""
+    from sage_core.data import eval_rows
+
+    rows = eval_rows(spec)
+    rows = rows.to_list() if hasattr(rows, "to_list") else list(rows)
+    name = "synthetic" if spec.data == "synthetic" else slug(Path(spec.data).stem or spec.data)
+    return {f"{name}-heldout": rows}
+
+
+def resolve_benchmarks(spec: RunSpec, benchmarks: dict[str, str] | None) -> dict[str, Any]:
+    """User benchmark files {name: path} (paths checked), else the spec's held-out set."""
+    if not benchmarks:
+        return default_benchmarks(spec)
+    out: dict[str, Any] = {}
+    for name, path in benchmarks.items():
+        p = Path(path).expanduser()
+        if not p.is_absolute():
+            p = tracking.REPO_ROOT / p if (tracking.REPO_ROOT / p).exists() else p.resolve()
+        if not p.exists():
+            raise FileNotFoundError(f"benchmark {name!r}: {path} does not exist")
+        out[name] = str(p)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- progress
+class PrefectProgressCallback(TrainerCallback):
+    """Training progress in the Prefect UI: a log line per logged step and a progress artifact."""
+
+    def __init__(self, total_steps: int, label: str, every: int = 1):
+        self.total = max(1, total_steps)
+        self.label = label
+        self.every = max(1, every)
+        self.artifact_id = None
+        self.logger = get_run_logger()
+
+    def _progress(self, step: int) -> float:
+        return round(min(100.0, 100.0 * step / self.total), 1)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        try:
+            from prefect.artifacts import create_progress_artifact
+
+            self.artifact_id = create_progress_artifact(self._progress(state.global_step),
+                                                        description=f"training {self.label}")
+        except Exception as e:  # noqa: BLE001 - progress is cosmetic
+            self.logger.debug("no progress artifact: %s", e)
+        self.logger.info("training %s: step %d/%d", self.label, state.global_step, self.total)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or state.global_step % self.every:
+            return
+        keys = ("reward", "sage/frac_collapsed", "sage/frac_rescued", "sage/rollouts", "loss")
+        shown = " ".join(f"{k}={logs[k]:.3g}" for k in keys if isinstance(logs.get(k), (int, float)))
+        if not shown:
+            return
+        self.logger.info("%s step %d/%d %s", self.label, state.global_step, self.total, shown)
+        if self.artifact_id is not None:
+            try:
+                from prefect.artifacts import update_progress_artifact
+
+                update_progress_artifact(self.artifact_id, self._progress(state.global_step))
+            except Exception:  # noqa: BLE001
+                pass
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.artifact_id is not None:
+            try:
+                from prefect.artifacts import update_progress_artifact
+
+                update_progress_artifact(self.artifact_id, 100.0)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+# ----------------------------------------------------------------------------------------------- tasks
+def is_transient(task, task_run, state) -> bool:
+    """Retry unless the failure is a programming/configuration error that a retry cannot fix."""
+    try:
+        state.result()
+    except NOT_TRANSIENT:
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+    return True
+
+
+def wants_accelerate(spec: RunSpec, launcher: str) -> bool:
+    if launcher == "accelerate":
+        return True
+    if launcher == "local":
+        return False
+    return bool(spec.use_vllm)  # the GPU presets
+
+
+def _train_local(spec: RunSpec, out: Path, run_id: str, label: str) -> dict[str, Any]:
+    from sage_core.train import train
+
+    cb = tracking.MlflowTrackingCallback(run_id=run_id, output_dir=out)
+    total = spec.max_steps * getattr(spec, "updates_per_generation", 1)
+    result = train(spec, out, callbacks=[cb, PrefectProgressCallback(total, label)], resume=True)
+    if cb.checkpoint_logged is None and Path(result.checkpoint_dir).is_dir():
+        tracking.log_checkpoint(result.checkpoint_dir, run_id)
+    return {"checkpoint_dir": str(result.checkpoint_dir), "global_step": int(result.global_step),
+            "wall_seconds": float(result.wall_seconds), "summary": dict(result.summary)}
+
+
+def _train_accelerate(spec: RunSpec, out: Path, run_id: str) -> dict[str, Any]:
+    """GPU presets: `accelerate launch` (sage_core.launch); the ranks log live when their `sage train` picks up
+    `$SAGE_MLFLOW_RUN_ID` (tracking.make_callback); otherwise the history is logged here afterwards."""
+    logger = get_run_logger()
+    try:
+        from sage_core import launch as launcher
+    except ImportError as e:  # pragma: no cover - launch.py ships with sage_core
+        raise NotImplementedError(f"GPU launch needs sage_core.launch: {e}") from e
+    if not launcher.visible_gpus():
+        raise RuntimeError(f"spec {spec.model} uses vLLM / accelerate but no GPU is visible on this worker")
+    env = {**os.environ, "SAGE_MLFLOW_RUN_ID": run_id, "SAGE_OUTPUT_DIR": str(out),
+           "MLFLOW_TRACKING_URI": tracking.tracking_uri(), "SAGE_HOME": str(tracking.sage_home())}
+    t0 = time.perf_counter()
+    res = launcher.launch(spec, out, log=logger.info, env=env, check=True, mlflow_run_id=run_id)
+    wall = time.perf_counter() - t0
+    result = res.result or {}
+    c = tracking.client()
+    if "reward" not in c.get_run(run_id).data.metrics and result.get("log_history"):
+        tracking.log_history(result["log_history"], run_id)
+    tracking.MlflowTrackingCallback(run_id=run_id, output_dir=out).upload_tracker_files()
+    ckpt = Path(result.get("checkpoint_dir") or out / "final")
+    if ckpt.is_dir() and not tracking.has_artifact(run_id, "checkpoint"):
+        tracking.log_checkpoint(ckpt, run_id)
+    summary = dict(result.get("summary") or {})
+    return {"checkpoint_dir": str(ckpt), "global_step": int(result.get("global_step") or 0),
+            "wall_seconds": float(result.get("wall_seconds") or wall), "summary": summary}
+
+
+@task(name="train", retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=is_transient,
+      cache_policy=INPUTS + TASK_SOURCE, persist_result=True, task_run_name="train-{label}")
+def train_task(spec: RunSpec, output_dir: str, run_id: str, label: str, launcher: str = "auto",
+               code: str = "") -> dict[str, Any]:
+    """Train (or continue training) `spec` in `output_dir`, logging into MLflow run `run_id`."""
+    logger = get_run_logger()
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    from sage_core.train import last_checkpoint
+
+    ckpt = last_checkpoint(out)
+    logger.info("train %s (%s, hints %s) -> %s%s", label, spec.method, spec.hint_source, out,
+                f", resuming from {ckpt.name}" if ckpt is not None else "")
+    tracking.client().update_run(run_id, status="RUNNING")
+    if wants_accelerate(spec, launcher):
+        res = _train_accelerate(spec, out, run_id)
+    else:
+        res = _train_local(spec, out, run_id, label)
+    summary = {k: v for k, v in res["summary"].items() if isinstance(v, (int, float))}
+    summary["wall_seconds"] = res["wall_seconds"]
+    summary["global_step"] = res["global_step"]
+    tracking.log_summary(summary, run_id, step=res["global_step"])
+    logger.info("trained %s: %d steps in %.1fs; %s", label, res["global_step"], res["wall_seconds"],
+                ", ".join(f"{k}={summary[k]:.3g}" for k in SUMMARY_KEYS if k in summary))
+    res["summary"] = summary
+    return res
+
+
+@task(name="evaluate", retries=1, retry_delay_seconds=10, retry_condition_fn=is_transient,
+      cache_policy=INPUTS + TASK_SOURCE, persist_result=True, cache_expiration=timedelta(days=7),
+      task_run_name="evaluate-{label}")
+def evaluate_task(model_ref: str, benchmarks: dict[str, Any], k: int, temperature: float, top_p: float,
+                  max_new_tokens: int, use_vllm: bool, seed: int = 0, gguf_file: str | None = None,
+                  label: str = "model", code: str = "") -> list[dict]:
+    """No-hint avg@k / pass@k of `model_ref` on each benchmark (rows: benchmark, k, avg_at_k, pass_at_k, n_prompts)."""
+    from sage_core.evaluate import evaluate
+
+    logger = get_run_logger()
+    t0 = time.perf_counter()
+    kw: dict[str, Any] = {"seed": seed}
+    if gguf_file:
+        kw["gguf_file"] = gguf_file
+    df = evaluate(model_ref, benchmarks, k=k, temperature=temperature, top_p=top_p,
+                  max_new_tokens=max_new_tokens, use_vllm=use_vllm, **kw)
+    rows = df.to_dict(orient="records")
+    for r in rows:
+        logger.info("eval %s on %s: avg@%d=%.3f pass@%d=%.3f (%d prompts)", label, r["benchmark"], int(r["k"]),
+                    r["avg_at_k"], int(r["k"]), r["pass_at_k"], int(r["n_prompts"]))
+    logger.info("evaluated %s in %.1fs", label, time.perf_counter() - t0)
+    return rows
+
+
+def eval_settings(spec: RunSpec) -> dict[str, Any]:
+    return dict(k=spec.eval_k, temperature=spec.eval_temperature, top_p=spec.eval_top_p,
+                max_new_tokens=spec.max_completion_length, use_vllm=spec.use_vllm, seed=spec.seed)
+
+
+def run_eval(model_ref: str, benchmarks: dict[str, Any], spec: RunSpec, label: str, cache: bool,
+             gguf_file: str | None = None) -> list[dict]:
+    """Evaluate through the task; `cache=False` for models that may change under the same name (checkpoints)."""
+    t = evaluate_task if cache else evaluate_task.with_options(cache_policy=NO_CACHE, persist_result=False)
+    return t(model_ref, benchmarks, label=label, code=code_version(), gguf_file=gguf_file, **eval_settings(spec))
+
+
+# ----------------------------------------------------------------------------------------------- result rows
+def _nan(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def eval_means(eval_df, when: str, k: int | None = None) -> tuple[float, float]:
+    """(mean avg@k, mean pass@k) over benchmarks for `when`."""
+    if eval_df is None or len(eval_df) == 0:
+        return float("nan"), float("nan")
+    d = eval_df[eval_df["when"] == when]
+    if k is not None and (d["k"] == k).any():
+        d = d[d["k"] == k]
+    if len(d) == 0:
+        return float("nan"), float("nan")
+    return float(d["avg_at_k"].mean()), float(d["pass_at_k"].mean())
+
+
+def row_from_run(run_id: str) -> dict[str, Any]:
+    """One result row of a training run, read back from MLflow (the same for fresh and skipped runs)."""
+    run = tracking.client().get_run(run_id)
+    m, t, p = run.data.metrics, run.data.tags, run.data.params
+    k = int(p.get("sage.eval_k", "0") or 0) or None
+    ev = tracking.load_eval(run_id)
+    before_avg, before_pass = eval_means(ev, "before", k)
+    after_avg, after_pass = eval_means(ev, "after", k)
+    row: dict[str, Any] = {
+        "variant": t.get("sage.variant") or t.get("mlflow.runName", run_id[:8]),
+        "method": t.get("sage.method"),
+        "hint_source": t.get("sage.hint_source"),
+        "k": k,
+        "avg_at_k_before": before_avg,
+        "avg_at_k_after": after_avg,
+        "pass_at_k_before": before_pass,
+        "pass_at_k_after": after_pass,
+    }
+    for key in SUMMARY_KEYS + ("wall_seconds", "global_step"):
+        row[key] = _nan(m.get(f"summary/{key}"))
+    row.update(run_id=run_id, experiment_id=run.info.experiment_id, status=run.info.status,
+               complete=tracking.is_complete(run), spec_key=t.get("sage.spec_key"))
+    return row
+
+
+def finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not math.isnan(v)

@@ -1,0 +1,84 @@
+"""`sage-eval`: no-hint evaluation (avg@k, pass@k) of a model or checkpoint over benchmark files.
+
+    prefect deployment run sage-eval/default --param model=/path/to/checkpoint --watch
+    prefect deployment run sage-eval/default --param model=runs:/<mlflow run id> \
+        --params '{"benchmarks": {"math500": "benchmarks/math500.jsonl"}}' --watch
+
+`model` is anything `sage_core.evaluate.evaluate` loads ('tiny', a local folder, an HF id) or `runs:/<run_id>`
+(the `checkpoint/` artifacts of an MLflow training run). Results go to a new MLflow run (kind eval) or, with
+`log_to_run`, into an existing run's `eval/eval.parquet` as `when`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import pandas as pd
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from pydantic import Field
+
+from flows.common import resolve_benchmarks, run_eval, slug
+from flows.params import PresetName, resolve_spec
+from sage_core import tracking
+
+
+def resolve_model(model: str) -> tuple[str, str | None]:
+    """(loadable model ref, MLflow run id it came from). `runs:/<id>` downloads that run's `checkpoint/`."""
+    if not model.startswith("runs:/"):
+        return model, None
+    run_id = model.removeprefix("runs:/").strip("/").split("/")[0]
+    dst = tracking.sage_home() / "downloads" / run_id
+    ckpt = dst / "checkpoint"
+    if not (ckpt / "config.json").is_file():
+        dst.mkdir(parents=True, exist_ok=True)
+        tracking.client().download_artifacts(run_id, "checkpoint", str(dst))
+    return str(ckpt), run_id
+
+
+@flow(name="sage-eval", flow_run_name="eval-{model}")
+def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, preset: PresetName = "tiny-cpu",
+              k: Annotated[int, Field(ge=1)] | None = None, temperature: Annotated[float, Field(gt=0)] | None = None,
+              top_p: Annotated[float, Field(gt=0, le=1)] | None = None,
+              max_new_tokens: Annotated[int, Field(ge=1)] | None = None, use_vllm: bool | None = None,
+              experiment: str = "sage-eval", log_to_run: str | None = None,
+              when: Literal["before", "after"] = "after") -> list[dict[str, Any]]:
+    """Evaluate `model` without hints.
+
+    Args:
+        model: 'tiny', a checkpoint folder, an HF model id, or runs:/<MLflow run id>.
+        benchmarks: {name: .parquet/.jsonl file}; default: the preset's held-out set.
+        preset: RunSpec preset giving the default eval settings and held-out set.
+        k: samples per prompt (default: the preset's eval_k).
+        temperature: sampling temperature (default: the preset's eval_temperature).
+        top_p: nucleus sampling (default: the preset's eval_top_p).
+        max_new_tokens: generation budget (default: the preset's max_completion_length).
+        use_vllm: generate with vLLM (default: the preset's use_vllm).
+        experiment: MLflow experiment of the eval run.
+        log_to_run: log into this existing MLflow run instead of a new one.
+        when: 'before' or 'after' (the label in eval/eval.parquet).
+    """
+    logger = get_run_logger()
+    ref, source_run = resolve_model(model)
+    overrides = {"eval_k": k, "eval_temperature": temperature, "eval_top_p": top_p,
+                 "max_completion_length": max_new_tokens, "use_vllm": use_vllm}
+    spec = resolve_spec(preset, {"model": model}, overrides)
+    benches = resolve_benchmarks(spec, benchmarks)
+    logger.info("sage-eval %s on %s (k=%d, T=%.2f, top_p=%.2f)", model, sorted(benches), spec.eval_k,
+                spec.eval_temperature, spec.eval_top_p)
+    rows = run_eval(ref, benches, spec, label=slug(Path(model).name or model), cache=False)
+    df = pd.DataFrame(rows)
+    if log_to_run:
+        run_id = log_to_run
+        tracking.log_eval(df, when, run_id)
+    else:
+        with tracking.start_run(spec, "eval", experiment, run_name=f"eval-{Path(model).name or model}",
+                                tags={"sage.eval_of": source_run}) as run:
+            run_id = run.info.run_id
+            tracking.log_eval(df, when, run_id)
+    logger.info("eval logged to MLflow run %s", tracking.run_url(run_id))
+    table = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
+    create_table_artifact(table, key="sage-eval-results", description=f"no-hint eval of {model}")
+    return rows

@@ -1,0 +1,234 @@
+"""`hint-study`: the SAGE variants side by side, each a child MLflow run of one study run, then a comparison.
+
+    prefect deployment run hint-study/tiny-cpu --watch
+    prefect deployment run hint-study/tiny-cpu --param max_steps=4 --params '{"methods": ["grpo", "sage-light"]}'
+
+Variants (`methods`): grpo, sage-light (online self-hints), sage-online, sage-fixed (hints from the initial
+policy), sage-teacher (a teacher's hints: `teacher`, or for data with reference solutions a hints file written
+from them), and the curation baselines dapo-filter, ada-seq, ada-est, sage-light+ada-seq.
+
+Each variant runs as a `sage-train` subflow (evaluate before/after without hints, train); the shared "before"
+evaluation is computed once and reused through Prefect's cache. Re-running the study skips the variants that
+already finished (MLflow: same spec key, `sage.complete=true`, under the same study run) and resumes crashed ones.
+The comparison table (one row per variant) is published as the Prefect table artifact
+`<experiment>-comparison` and as `study/comparison.{parquet,csv,md}` on the study run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import pandas as pd
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from pydantic import ValidationError
+
+from flows.common import runs_root, slug
+from flows.params import PresetName, resolve_spec, with_spec_overrides
+from flows.train_flow import Launcher, sage_train
+from sage_core import tracking
+from sage_core.spec import RunSpec
+
+# variant name -> RunSpec fields it sets (on top of the study's base spec)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "grpo": {"method": "grpo"},
+    "sage-light": {"method": "sage-light", "hint_source": "online"},
+    "sage-online": {"method": "sage", "hint_source": "online"},
+    "sage-fixed": {"method": "sage", "hint_source": "fixed"},
+    "sage-teacher": {"method": "sage", "hint_source": "teacher"},
+    "dapo-filter": {"method": "dapo-filter"},
+    "ada-seq": {"method": "ada-seq"},
+    "ada-est": {"method": "ada-est"},
+    "sage-light+ada-seq": {"method": "sage-light+ada-seq", "hint_source": "online"},
+}
+DEFAULT_METHODS = ["grpo", "sage-light", "sage-online", "sage-fixed", "sage-teacher"]
+VariantName = Literal[tuple(VARIANTS)]  # type: ignore[valid-type]
+
+COMPARISON_COLUMNS = ["variant", "method", "hint_source", "k", "avg_at_k_before", "avg_at_k_after",
+                      "delta_avg_at_k", "pass_at_k_after", "never_solved", "never_solved_no_hint",
+                      "frac_collapsed", "rollouts", "rescued", "wall_seconds", "wall_vs_grpo", "global_step",
+                      "status", "run_id"]
+
+
+def study_key(base: RunSpec, experiment: str) -> str:
+    return hashlib.sha256(f"{experiment}\n{base.key()}".encode()).hexdigest()[:16]
+
+
+def teacher_hints_file(base: RunSpec, experiment: str) -> Path:
+    """Reference-solution hints for the training rows (sage_core.hints.write_reference_hints), written once."""
+    from sage_core.data import build_dataset
+    from sage_core.hints import write_reference_hints
+
+    data_spec = {k: v for k, v in base.model_dump().items()
+                 if k in ("data", "data_split", "num_prompts", "difficulty", "seed", "model")}
+    h = hashlib.sha256(repr(sorted(data_spec.items())).encode()).hexdigest()[:12]
+    path = runs_root() / slug(experiment) / f"teacher-hints-{h}.jsonl"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = build_dataset(base)
+        rows = rows.to_list() if hasattr(rows, "to_list") else list(rows)
+        tmp = path.with_suffix(".tmp")
+        write_reference_hints(rows, tmp)
+        tmp.replace(path)
+    return path
+
+
+def variant_specs(base: RunSpec, methods: list[str], teacher: str | None = None) -> dict[str, RunSpec]:
+    """One RunSpec per variant. Only the teacher variant carries `teacher`, so the other variants' spec keys
+    do not depend on it. Raises ValueError naming an unknown variant or a teacher variant without a teacher."""
+    unknown = [m for m in methods if m not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {list(VARIANTS)}")
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"methods lists a variant twice: {methods}")
+    out: dict[str, RunSpec] = {}
+    for name in methods:
+        values = {**base.model_dump(), "teacher": None, "teacher_model": None, **VARIANTS[name]}
+        if VARIANTS[name].get("hint_source") == "teacher":
+            if not teacher:
+                raise ValueError("variant 'sage-teacher' needs a teacher (model path, endpoint URL or hints file)")
+            values["teacher"] = teacher
+            values["teacher_model"] = base.teacher_model
+        if "hint_source" not in VARIANTS[name]:
+            values["hint_source"] = "online"  # no hints used: keep the key independent of the base's source
+        out[name] = RunSpec(**values)
+    return out
+
+
+def _num(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def comparison_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """One row per variant, in the order given: accuracy before/after, never-solved, collapsed fraction,
+    rollouts, wall-clock and its ratio to GRPO's."""
+    df = pd.DataFrame(rows)
+    for c in COMPARISON_COLUMNS:
+        if c not in df.columns:
+            df[c] = float("nan") if c not in ("variant", "method", "hint_source", "status", "run_id") else None
+    for c in ("avg_at_k_before", "avg_at_k_after", "pass_at_k_after", "never_solved", "never_solved_no_hint",
+              "frac_collapsed", "rollouts", "rescued", "wall_seconds", "global_step"):
+        df[c] = df[c].map(_num)
+    df["delta_avg_at_k"] = df["avg_at_k_after"] - df["avg_at_k_before"]
+    grpo = df.loc[df["method"] == "grpo", "wall_seconds"]
+    base = float(grpo.iloc[0]) if len(grpo) and grpo.iloc[0] > 0 else float("nan")
+    df["wall_vs_grpo"] = df["wall_seconds"] / base
+    return df[COMPARISON_COLUMNS].reset_index(drop=True)
+
+
+def _jsonable_records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    recs = df.to_dict(orient="records")
+    return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in recs]
+
+
+def report_card(df: pd.DataFrame, title: str = "hint-study") -> str:
+    """A compact markdown report card (nanochat style): one row per variant, the numbers that matter."""
+    show = df[["variant", "avg_at_k_before", "avg_at_k_after", "pass_at_k_after", "never_solved",
+               "frac_collapsed", "rollouts", "wall_seconds", "wall_vs_grpo", "status"]].rename(columns={
+                   "avg_at_k_before": "avg@k before", "avg_at_k_after": "avg@k after",
+                   "pass_at_k_after": "pass@k after", "never_solved": "never solved",
+                   "frac_collapsed": "collapsed", "wall_seconds": "wall s", "wall_vs_grpo": "wall/GRPO"})
+    k = df["k"].dropna()
+    head = f"## {title}" + (f" (no-hint eval, k={int(k.iloc[0])})" if len(k) else "")
+    return head + "\n\n" + tracking.to_markdown(show)
+
+
+def _log_parent_metrics(df: pd.DataFrame, parent_id: str) -> None:
+    metrics = {}
+    for r in df.itertuples(index=False):
+        for col in ("avg_at_k_after", "pass_at_k_after", "never_solved", "frac_collapsed", "wall_seconds"):
+            v = getattr(r, col)
+            if isinstance(v, float) and not math.isnan(v):
+                metrics[f"study/{r.variant}/{col}"] = v
+    if metrics:
+        tracking.log_metrics(metrics, step=0, run_id=parent_id)
+
+
+def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None = None,
+               methods: list[VariantName] = DEFAULT_METHODS, experiment: str | None = None,  # type: ignore[valid-type]
+               benchmarks: dict[str, str] | None = None, force: bool = False,
+               launcher: Launcher = "auto", **overrides: Any) -> list[dict[str, Any]]:
+    """Run the hint variants side by side and compare them without hints at test time.
+
+    Args:
+        preset: RunSpec preset every variant starts from.
+        spec: a (partial) RunSpec on top of the preset.
+        methods: variants to run, in order.
+        experiment: MLflow experiment (default hint-study-<preset>).
+        benchmarks: no-hint eval files {name: path}; default: the held-out set of the spec.
+        force: re-train variants that already finished.
+        launcher: auto, local or accelerate (see sage-train).
+    """
+    logger = get_run_logger()
+    try:
+        base = resolve_spec(preset, spec, overrides)
+    except ValidationError as e:
+        raise ValueError(f"invalid run spec: {e}") from None
+    experiment = experiment or f"hint-study-{preset or 'custom'}"
+    methods = list(methods)
+    teacher = base.teacher  # the `teacher` field: for sage-teacher only; default: reference-solution hints
+    if "sage-teacher" in methods and not teacher:
+        teacher = str(teacher_hints_file(base, experiment))
+        logger.info("sage-teacher: reference-solution hints %s", teacher)
+    variants = variant_specs(base, methods, teacher)
+
+    skey = study_key(base, experiment)
+    out = runs_root() / slug(experiment) / f"study-{skey}"
+    parent_id, resumed = tracking.resume_or_create_run(
+        base, "study", out, experiment, run_name=f"hint-study-{preset or 'custom'}",
+        tags={"sage.study_key": skey, "sage.methods": ",".join(methods), "sage.preset": preset})
+    tracking.client().set_tag(parent_id, "sage.methods", ",".join(methods))
+    exp_id = tracking.client().get_run(parent_id).info.experiment_id
+    logger.info("%s study run %s: %s", "resuming" if resumed else "started", parent_id,
+                tracking.run_url(parent_id, exp_id))
+
+    rows: list[dict[str, Any]] = []
+    failed: list[str] = []
+    try:
+        for name, vspec in variants.items():
+            logger.info("variant %s: method=%s hint_source=%s", name, vspec.method, vspec.hint_source)
+            state = sage_train(preset=None, spec=vspec, experiment=experiment, run_name=name, variant=name,
+                               parent_run_id=parent_id, benchmarks=benchmarks, force=force, launcher=launcher,
+                               return_state=True)
+            if state.is_completed():
+                row = state.result()
+                rows.append(row)
+                logger.info("variant %s %s: avg@k %.3f -> %.3f", name,
+                            "skipped (finished before)" if row.get("skipped") else "done",
+                            row.get("avg_at_k_before", float("nan")), row.get("avg_at_k_after", float("nan")))
+            else:
+                failed.append(name)
+                logger.error("variant %s failed: %s", name, state.message)
+                rows.append({"variant": name, "method": vspec.method,
+                             "hint_source": vspec.hint_source if vspec.uses_hints else "none",
+                             "status": "FAILED"})
+        table = comparison_table(rows)
+        tracking.log_table(table, "study/comparison", run_id=parent_id)
+        _log_parent_metrics(table, parent_id)
+        card = report_card(table, f"hint-study {preset or 'custom'}")
+        child_ids = [r for r in table["run_id"].dropna().tolist() if r]
+        compare = tracking.compare_url(child_ids, exp_id) if child_ids else tracking.run_url(parent_id, exp_id)
+        create_table_artifact(_jsonable_records(table), key=f"{slug(experiment)}-comparison",
+                              description=f"hint-study comparison ({experiment}); MLflow: {compare}")
+        create_markdown_artifact(card + f"\n\n[Compare in MLflow]({compare})", key=f"{slug(experiment)}-report",
+                                 description="hint-study report card")
+        create_link_artifact(link=compare, link_text="MLflow comparison", key="mlflow-comparison")
+        logger.info("comparison:\n%s", card)
+        logger.info("MLflow comparison: %s", compare)
+    except BaseException:
+        tracking.finish_run(parent_id, "FAILED")
+        raise
+    tracking.finish_run(parent_id, "FAILED" if failed else "FINISHED")
+    if failed:
+        raise RuntimeError(f"hint-study: variants {failed} failed (the others are in the comparison table)")
+    return _jsonable_records(table)
+
+
+hint_study = flow(name="hint-study", flow_run_name="study-{preset}")(
+    with_spec_overrides(hint_study))

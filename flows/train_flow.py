@@ -1,0 +1,143 @@
+"""`sage-train`: one training run (evaluate before, train, evaluate after, no hints at evaluation), one MLflow run.
+
+    prefect deployment run sage-train/tiny-cpu --watch
+    prefect deployment run sage-train/tiny-cpu --param max_steps=2 --param method=grpo --watch
+
+A spec already trained to completion in the experiment (MLflow tag `sage.complete=true` on a run with the same
+`sage.spec_key`) is not trained again unless `force=true`; a crashed one continues from its last checkpoint in
+the same MLflow run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pandas as pd
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from pydantic import ValidationError
+
+from flows.common import code_version, resolve_benchmarks, row_from_run, run_dir, run_eval, train_task
+from flows.params import PresetName, resolve_spec, with_spec_overrides
+from sage_core import tracking
+from sage_core.spec import RunSpec
+
+Launcher = Literal["auto", "local", "accelerate"]
+
+
+def default_label(spec: RunSpec) -> str:
+    return f"{spec.method}-{spec.hint_source}" if spec.uses_hints else spec.method
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters or {}
+    name = p.get("variant") or p.get("run_name") or p.get("preset") or "custom"
+    method = p.get("method")
+    return f"train-{name}" + (f"-{method}" if method and method not in str(name) else "")
+
+
+def _link(run_id: str, experiment_id: str, what: str) -> None:
+    try:
+        create_link_artifact(link=tracking.run_url(run_id, experiment_id), link_text=f"MLflow {what} run",
+                             key="mlflow-run", description=f"MLflow run {run_id} ({tracking.tracking_uri()})")
+    except Exception as e:  # noqa: BLE001 - an artifact must never fail a run
+        get_run_logger().debug("link artifact not created: %s", e)
+
+
+def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict[str, str] | None,
+                 evaluate_before: bool, evaluate_after: bool, force: bool, launcher: str,
+                 parent_run_id: str | None, variant: str | None, preset: str | None) -> dict[str, Any]:
+    """The body of `sage-train` (also the per-variant body of `hint-study`). Returns the run's result row."""
+    logger = get_run_logger()
+    key = spec.key()
+    if not force:
+        done = tracking.find_finished_run(key, experiment, kind="train", parent_run_id=parent_run_id)
+        if done is not None:
+            logger.info("%s: spec %s already finished in MLflow run %s; skipping (force=true trains again)",
+                        label, key, done.info.run_id)
+            _link(done.info.run_id, done.info.experiment_id, "training")
+            return {**row_from_run(done.info.run_id), "skipped": True}
+    out = run_dir(experiment, label, spec, fresh=force)
+    tags = {"sage.variant": variant or label, "sage.preset": preset, "sage.output_dir": str(out)}
+    run_id, resumed = tracking.resume_or_create_run(spec, "train", out, experiment, run_name=label,
+                                                    parent_run_id=parent_run_id, tags=tags)
+    exp_id = tracking.client().get_run(run_id).info.experiment_id
+    logger.info("%s MLflow run %s (%s): %s", "resuming" if resumed else "started", run_id, tracking.tracking_uri(),
+                tracking.run_url(run_id, exp_id))
+    _link(run_id, exp_id, "training")
+    try:
+        benches = resolve_benchmarks(spec, benchmarks)
+        previous = tracking.load_eval(run_id)
+        if evaluate_before and (previous is None or not (previous["when"] == "before").any()):
+            before = run_eval(spec.model, benches, spec, label=f"{label}-before", cache=True,
+                              gguf_file=spec.gguf_file)
+            tracking.log_eval(pd.DataFrame(before), "before", run_id)
+        train = train_task
+        if not (out / "final").is_dir():  # never reuse a cached result whose model is gone
+            train = train_task.with_options(refresh_cache=True)
+        res = train(spec, str(out), run_id, label, launcher, code_version())
+        if evaluate_after:
+            after = run_eval(res["checkpoint_dir"], benches, spec, label=f"{label}-after", cache=False)
+            tracking.log_eval(pd.DataFrame(after), "after", run_id)
+    except BaseException:
+        tracking.finish_run(run_id, "FAILED")
+        raise
+    tracking.finish_run(run_id)
+    row = row_from_run(run_id)
+    row["skipped"] = False
+    _report(row, label)
+    return row
+
+
+def _report(row: dict[str, Any], label: str) -> None:
+    keys = ("avg_at_k_before", "avg_at_k_after", "pass_at_k_after", "never_solved", "frac_collapsed", "rollouts",
+            "wall_seconds")
+    lines = [f"# sage-train `{label}`", "", f"MLflow run [{row['run_id']}]"
+             f"({tracking.run_url(row['run_id'], row['experiment_id'])})", "",
+             "| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {row.get(k, float('nan')):.4g} |" for k in keys]
+    try:
+        create_markdown_artifact("\n".join(lines), key="sage-train-report", description=f"sage-train {label}")
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def sage_train(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None = None, experiment: str = "sage",
+               run_name: str | None = None, benchmarks: dict[str, str] | None = None,
+               evaluate_before: bool = True, evaluate_after: bool = True, force: bool = False,
+               launcher: Launcher = "auto", parent_run_id: str | None = None, variant: str | None = None,
+               **overrides: Any) -> dict[str, Any]:
+    """Train one SAGE/GRPO run and evaluate it without hints before and after.
+
+    Args:
+        preset: named RunSpec preset (sage_core.presets); None starts from RunSpec defaults.
+        spec: a (partial) RunSpec applied on top of the preset; only the fields it sets count.
+        experiment: MLflow experiment.
+        run_name: MLflow run name (default: method-hint_source).
+        benchmarks: no-hint eval files {name: path} (.parquet/.jsonl); default: the spec's held-out set.
+        evaluate_before: evaluate the initial model.
+        evaluate_after: evaluate the trained model.
+        force: train again even if this spec already finished in the experiment.
+        launcher: auto (accelerate for vLLM/GPU presets), local (in process) or accelerate.
+        parent_run_id: MLflow parent run (hint-study).
+        variant: variant name (hint-study).
+    """
+    logger = get_run_logger()
+    try:
+        run_spec = resolve_spec(preset, spec, overrides)
+    except ValidationError as e:
+        raise ValueError(f"invalid run spec: {e}") from None
+    label = variant or run_name or default_label(run_spec)
+    logger.info("sage-train %s: preset=%s method=%s hint_source=%s model=%s steps=%d G=%d",
+                label, preset, run_spec.method, run_spec.hint_source, run_spec.model, run_spec.max_steps,
+                run_spec.num_generations)
+    return run_training(run_spec, experiment=experiment, label=label, benchmarks=benchmarks,
+                        evaluate_before=evaluate_before, evaluate_after=evaluate_after, force=force,
+                        launcher=launcher, parent_run_id=parent_run_id, variant=variant, preset=preset)
+
+
+sage_train = flow(name="sage-train", flow_run_name=_flow_run_name)(with_spec_overrides(sage_train))
+
+__all__ = ["sage_train", "run_training", "default_label"]

@@ -1,0 +1,139 @@
+"""End to end, the way a user runs it: a real `prefect server start` on a free loopback port (temp PREFECT_HOME),
+`python -m flows.serve` serving sage-train/tiny-cpu, `prefect deployment run ... --watch` from the CLI, and the
+finished run found with `MlflowClient.search_runs` in a temp sqlite store. Bad parameters are refused at creation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TINY = ["--param", "max_steps=2", "--param", "num_prompts=4", "--param", "num_generations=4",
+        "--param", "prompts_per_step=2", "--param", "eval_num_prompts=4", "--param", "eval_k=2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _wait(what: str, ok, proc: subprocess.Popen, log: Path, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if ok():
+            return time.monotonic() - t0
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        time.sleep(1)
+    pytest.fail(f"{what} not ready after {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_model_dir):
+    """(env, tracking_uri): a real Prefect server + the sage-train/tiny-cpu deployment served from this repo."""
+    root = tmp_path_factory.mktemp("e2e")
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(PREFECT_HOME=str(root / "prefect"), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_RUNNER_POLL_FREQUENCY="2", PREFECT_CLI_COLORS="false", SAGE_HOME=str(root / "sage"),
+               MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}", COLUMNS="250",
+               SAGE_MODEL_CACHE=os.environ.get("SAGE_MODEL_CACHE", str(Path(tiny_model_dir).parent)))
+    procs: list[subprocess.Popen] = []
+    server_log, serve_log = root / "server.log", root / "serve.log"
+    try:
+        procs.append(subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                                       str(port), "--analytics-off"], env=env, cwd=REPO, start_new_session=True,
+                                      stdout=server_log.open("w"), stderr=subprocess.STDOUT))
+        _wait("prefect server", lambda: _get(f"{api}/health") == 200, procs[0], server_log, 240)
+        procs.append(subprocess.Popen([sys.executable, "-m", "flows.serve", "--only", "sage-train", "--preset",
+                                       "tiny-cpu"], env=env, cwd=REPO, start_new_session=True,
+                                      stdout=serve_log.open("w"), stderr=subprocess.STDOUT))
+        _wait("flows.serve", lambda: _get(f"{api}/deployments/name/sage-train/tiny-cpu") == 200, procs[1],
+              serve_log, 180)
+        yield env, env["MLFLOW_TRACKING_URI"], serve_log
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+
+
+def _cli(env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "prefect"), *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bad_parameter_is_rejected_with_the_field_name(served):
+    env, _, _ = served
+    for param, field in [("num_generations=1", "num_generations"), ("method=bogus", "method")]:
+        r = _cli(env, "deployment", "run", "sage-train/tiny-cpu", "--param", param, timeout=120)
+        out = r.stdout + r.stderr
+        assert r.returncode != 0, out
+        assert "Validation failed" in out and f"'{field}'" in out, out
+    r = _cli(env, "deployment", "run", "sage-train/tiny-cpu", "--params", json.dumps({"spec": {"max_stepz": 2}}),
+             timeout=120)
+    assert r.returncode != 0 and "max_stepz" in r.stdout + r.stderr
+
+
+def test_deployment_run_from_cli_logs_to_mlflow(served):
+    from mlflow import MlflowClient
+
+    env, uri, serve_log = served
+    t0 = time.monotonic()
+    r = _cli(env, "deployment", "run", "sage-train/tiny-cpu", *TINY, "--param", "experiment=e2e",
+             "--param", "method=sage-light", "--watch", "--watch-timeout", "900",
+             timeout=960)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out + "\n--- serve log ---\n" + serve_log.read_text()[-4000:]
+    assert "COMPLETED" in out.upper(), out
+    wall = time.monotonic() - t0
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("e2e")
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.`sage.kind` = 'train'")
+    assert len(runs) == 1, runs
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.data.tags["sage.complete"] == "true"
+    assert run.data.tags["sage.method"] == "sage-light" and run.data.tags["prefect.flow_run_id"]
+    assert run.data.params["sage.max_steps"] == "2" and run.data.params["sage.num_generations"] == "4"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward")] == [1, 2]
+    for key in ("sage/frac_collapsed", "summary/wall_seconds", "eval/before/synthetic-heldout/avg_at_2",
+                "eval/after/synthetic-heldout/pass_at_2"):
+        assert key in run.data.metrics, sorted(run.data.metrics)
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"spec.json", "tracker", "eval", "checkpoint"} <= arts
+    print(f"deployment run wall-clock {wall:.0f}s")

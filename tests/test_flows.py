@@ -1,0 +1,209 @@
+"""Prefect flows: parameters, variants, the comparison table (pure), and the flows themselves under one
+session-scoped `prefect_test_harness` with the real tiny model, trainer and evaluation (small settings)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+
+import pandas as pd
+import pytest
+from prefect.exceptions import ParameterTypeError
+
+from flows import common, params
+from flows.study_flow import (COMPARISON_COLUMNS, DEFAULT_METHODS, comparison_table, hint_study, report_card,
+                              variant_specs)
+from flows.train_flow import sage_train
+from sage_core import tracking
+from sage_core.presets import PRESETS
+from sage_core.spec import RunSpec
+
+SMALL = dict(max_steps=2, num_prompts=4, num_generations=4, prompts_per_step=2, eval_num_prompts=4, eval_k=2,
+             save_steps=1)
+
+
+# ----------------------------------------------------------------------------------------------- pure parts
+def test_resolve_spec_precedence():
+    s = params.resolve_spec("tiny-cpu", None, {"max_steps": None})
+    assert s == RunSpec(**PRESETS["tiny-cpu"])
+    partial = RunSpec.model_validate({"max_steps": 3, "method": "grpo"})
+    s = params.resolve_spec("smollm2-cpu", partial, {"max_steps": 2, "seed": None})
+    assert (s.model, s.method, s.max_steps, s.num_generations) == ("smollm2", "grpo", 2, 4)
+    assert params.resolve_spec(None, {"seed": 5}, {}) == RunSpec(seed=5)
+    with pytest.raises(ValueError, match="unknown preset"):
+        params.resolve_spec("nope")
+    with pytest.raises(ValueError, match="light_min"):
+        params.resolve_spec("tiny-cpu", None, {"light_min": 0.9, "light_max": 0.2})
+
+
+def test_flow_signatures_follow_runspec():
+    for f in (sage_train, hint_study):
+        sig = inspect.signature(f.fn)
+        assert set(RunSpec.model_fields) <= set(sig.parameters)
+        assert all(sig.parameters[n].default is None for n in RunSpec.model_fields)
+
+    def clash(*, seed: int = 0, **overrides):
+        return None
+
+    with pytest.raises(ValueError, match="clash"):
+        params.with_spec_overrides(clash)
+
+
+def test_bad_parameters_are_rejected_naming_the_field():
+    ok = sage_train.validate_parameters({"preset": "tiny-cpu", "max_steps": "2", "spec": {"method": "grpo"}})
+    assert ok["max_steps"] == 2 and ok["spec"].method == "grpo"
+    for bad, field in [({"method": "bogus"}, "method"), ({"num_generations": 1}, "num_generations"),
+                       ({"preset": "gpu-xl"}, "preset"), ({"spec": {"max_stepz": 2}}, "max_stepz")]:
+        with pytest.raises(ParameterTypeError, match=field):
+            sage_train.validate_parameters(bad)
+    with pytest.raises(ParameterTypeError, match="methods"):
+        hint_study.validate_parameters({"methods": ["grpo", "sage-magic"]})
+
+
+def test_variant_specs(tmp_path):
+    base = params.resolve_spec("tiny-cpu", None, {"max_steps": 2})
+    hints = str(tmp_path / "hints.jsonl")
+    v = variant_specs(base, DEFAULT_METHODS + ["ada-seq"], teacher=hints)
+    assert list(v) == DEFAULT_METHODS + ["ada-seq"]
+    assert [(s.method, s.hint_source) for s in v.values()] == [
+        ("grpo", "online"), ("sage-light", "online"), ("sage", "online"), ("sage", "fixed"), ("sage", "teacher"),
+        ("ada-seq", "online")]
+    assert v["sage-teacher"].teacher == hints and all(s.teacher is None for n, s in v.items() if n != "sage-teacher")
+    assert all(s.max_steps == 2 for s in v.values()) and len({s.key() for s in v.values()}) == len(v)
+    # the other variants' keys do not depend on the teacher file (so re-runs find them)
+    assert variant_specs(base, ["grpo"], teacher="/elsewhere.jsonl")["grpo"].key() == v["grpo"].key()
+    with pytest.raises(ValueError, match="teacher"):
+        variant_specs(base, ["sage-teacher"])
+    with pytest.raises(ValueError, match="unknown methods"):
+        variant_specs(base, ["grpo", "magic"])
+
+
+def test_comparison_table_and_report_card():
+    rows = [
+        dict(variant="grpo", method="grpo", hint_source="none", k=2, avg_at_k_before=0.2, avg_at_k_after=0.3,
+             pass_at_k_after=0.5, never_solved=0.4, never_solved_no_hint=0.4, frac_collapsed=0.6, rollouts=64.0,
+             rescued=0.0, wall_seconds=10.0, global_step=2, status="FINISHED", run_id="a"),
+        dict(variant="sage-online", method="sage", hint_source="online", k=2, avg_at_k_before=0.2,
+             avg_at_k_after=0.4, pass_at_k_after=0.625, never_solved=0.1, never_solved_no_hint=0.3,
+             frac_collapsed=0.5, rollouts=96.0, rescued=3.0, wall_seconds=25.0, global_step=2, status="FINISHED",
+             run_id="b", extra="ignored"),
+        dict(variant="sage-fixed", method="sage", hint_source="fixed", status="FAILED"),
+    ]
+    df = comparison_table(rows)
+    assert list(df.columns) == COMPARISON_COLUMNS and list(df["variant"]) == ["grpo", "sage-online", "sage-fixed"]
+    assert df.loc[1, "wall_vs_grpo"] == 2.5 and df.loc[0, "wall_vs_grpo"] == 1.0
+    assert math.isclose(df.loc[1, "delta_avg_at_k"], 0.2)
+    assert math.isnan(df.loc[2, "avg_at_k_after"]) and df.loc[2, "status"] == "FAILED"
+    card = report_card(df, "t")
+    assert "k=2" in card and "| sage-online | 0.200 | 0.400 | 0.625 |" in card
+    # no GRPO row: the ratio is undefined, not an error
+    assert comparison_table(rows[1:2])["wall_vs_grpo"].isna().all()
+
+
+def test_slug_and_run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path))
+    assert common.slug("Hint Study/Tiny_CPU") == "hint-study-tiny-cpu"
+    s = RunSpec()
+    d = common.run_dir("My Exp", "sage-online", s)
+    assert d == tmp_path / "runs" / "my-exp" / f"sage-online-{s.key()}"
+    assert common.run_dir("My Exp", "sage-online", s, fresh=True) != d
+
+
+# ----------------------------------------------------------------------------------------------- flows (harness)
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory):
+    from prefect.settings import PREFECT_HOME, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    with temporary_settings({PREFECT_HOME: str(home), PREFECT_LOCAL_STORAGE_PATH: str(home / "storage")}):
+        with prefect_test_harness(server_startup_timeout=180):
+            yield home
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch, tiny_model_dir):
+    """A fresh MLflow store per test (the model cache stays shared)."""
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path / "home"
+
+
+class CrashOnce(common.PrefectProgressCallback):
+    """Progress callback that raises once, at the end of step 2 (after checkpoint-1 was saved)."""
+
+    crashes = 0
+    error: type[Exception] = RuntimeError
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2 and CrashOnce.crashes == 0:
+            CrashOnce.crashes += 1
+            raise CrashOnce.error("simulated crash at step 2")
+
+
+def _metric_steps(run_id: str, key: str) -> list[int]:
+    return sorted({m.step for m in tracking.client().get_metric_history(run_id, key)})
+
+
+def test_crashed_training_resumes_same_run(prefect_harness, store, monkeypatch):
+    # 1) a transient crash: the task retries, resumes from checkpoint-1, one MLflow run
+    monkeypatch.setattr(common, "PrefectProgressCallback", CrashOnce)
+    monkeypatch.setattr(CrashOnce, "crashes", 0)
+    monkeypatch.setattr(CrashOnce, "error", RuntimeError)
+    retry_fast = common.train_task.with_options(retry_delay_seconds=0)
+    monkeypatch.setattr("flows.train_flow.train_task", retry_fast)
+    row = sage_train(preset="tiny-cpu", experiment="t-retry", evaluate_before=False, evaluate_after=False,
+                     method="grpo", **SMALL)
+    assert CrashOnce.crashes == 1 and row["status"] == "FINISHED"
+    assert _metric_steps(row["run_id"], "reward") == [1, 2]  # step 1 before the crash, step 2 after the retry
+    assert len(tracking.find_runs("t-retry", kind="train")) == 1
+    out = tracking.client().get_run(row["run_id"]).data.tags["sage.output_dir"]
+    assert (common.Path(out) / "checkpoint-1").is_dir() or (common.Path(out) / "checkpoint-2").is_dir()
+
+    # 2) a non-transient crash fails the flow; re-running it continues the same MLflow run from the checkpoint
+    monkeypatch.setattr(CrashOnce, "crashes", 0)
+    monkeypatch.setattr(CrashOnce, "error", ValueError)
+    kw = dict(preset="tiny-cpu", experiment="t-crash", evaluate_before=False, evaluate_after=False,
+              method="grpo", **SMALL)
+    state = sage_train(**kw, return_state=True)
+    assert state.is_failed()
+    (failed,) = tracking.find_runs("t-crash", kind="train")
+    assert failed.info.status == "FAILED" and not tracking.is_complete(failed)
+    row = sage_train(**kw)
+    assert row["run_id"] == failed.info.run_id and row["status"] == "FINISHED"
+    run = tracking.client().get_run(row["run_id"])
+    assert run.data.tags["sage.resumed"] == "1" and _metric_steps(row["run_id"], "reward")[-1] == 2
+
+
+def test_hint_study_children_table_and_rerun(prefect_harness, store):
+    from prefect.client.orchestration import get_client
+
+    methods = ["grpo", "sage-teacher"]
+    kw = dict(preset="tiny-cpu", methods=methods, experiment="t-study", **{**SMALL, "max_steps": 1})
+    table = hint_study(**kw)
+    assert [r["variant"] for r in table] == methods
+    c = tracking.client()
+    (parent,) = tracking.find_runs("t-study", kind="study")
+    kids = tracking.find_runs("t-study", kind="train", parent_run_id=parent.info.run_id)
+    assert {r.data.tags["sage.variant"] for r in kids} == set(methods)
+    assert all(tracking.is_complete(r) for r in kids) and tracking.is_complete(c.get_run(parent.info.run_id))
+    teacher = next(r for r in kids if r.data.tags["sage.variant"] == "sage-teacher")
+    assert teacher.data.params["sage.teacher"].endswith(".jsonl") and os.path.isfile(
+        teacher.data.params["sage.teacher"])
+    names = {a.path for a in c.list_artifacts(parent.info.run_id, "study")}
+    assert names == {"study/comparison.parquet", "study/comparison.csv", "study/comparison.md"}
+    df = pd.read_parquet(c.download_artifacts(parent.info.run_id, "study/comparison.parquet", str(store)))
+    assert list(df["variant"]) == methods and list(df.columns) == COMPARISON_COLUMNS
+    assert df["avg_at_k_before"].notna().all() and df["avg_at_k_after"].notna().all()
+    assert df.loc[df["variant"] == "grpo", "wall_vs_grpo"].iloc[0] == 1.0
+
+    with get_client(sync_client=True) as pc:
+        arts = pc.read_artifacts()
+    assert any(a.key == "t-study-comparison" and a.type == "table" for a in arts)
+
+    # re-run: nothing trains again, same parent, same children
+    table2 = hint_study(**kw)
+    assert [r["run_id"] for r in table2] == [r["run_id"] for r in table]
+    assert len(tracking.find_runs("t-study", kind="train")) == len(methods)
+    assert len(tracking.find_runs("t-study", kind="study")) == 1
