@@ -66,8 +66,14 @@ turns mixed (ada-seq: B on an extended side, G otherwise; ada-est: n(0)*G, n(G)*
     sum_k Binom(k; G, p) h(k) in place of T_f(p), which is how the tests check it.
 `estimator='pool'` is Reinforce-Ada's plug-in p~ = positives / pool size (Beta(1,1)-smoothed): it uses every
 rollout, but sequential stopping biases it (the pool stops right after the first minority rollout, inflating the
-minority frequency: for log with G=8 and 4 rounds, E[w S] is 15%, 34%, 83% above T_f at p = 0.7, 0.8, 0.9). `expected_signal` computes (*);
-`exact_signal` computes E[w S] of a scheduler by enumerating every reward-count history through the real code.
+minority frequency: for log with G=8 and 4 rounds, E[w S] is 15%, 34%, 83% above T_f at p = 0.7, 0.8, 0.9).
+`expected_signal` computes (*); `exact_signal` computes E[w S] of a scheduler by enumerating every reward-count
+history through the real code.
+
+Why not "w = 1/p~" for log: that is f'(p), the weight on grad p when advantages are r - p~ (Reinforce-Ada's pool
+baseline, no std). TRL divides a balanced group by its std, which already supplies 1/(p(1-p)) (slope above), so
+the explicit weight that leaves f'(p) = 1/p is T_log = 2(1-p) / S_sel-normalised; 'sqrt' (f' = 1/sqrt p) is the
+issue's "1/sqrt(p~)" variant (objective='sqrt'; RunSpec.weighting does not list it).
 """
 
 from __future__ import annotations
@@ -439,7 +445,11 @@ class AdaEst(_Pooled):
 
 class SageLightAdaSeq(AdaSeq):
     """SAGE-LIGHT levels + ada-seq sampling at that level. The level rule sees the pilot's accuracy (the group
-    SAGE-LIGHT itself would have rolled), not the balanced trained group, whose pass rate is ~1/2 by design."""
+    SAGE-LIGHT itself would have rolled), not the balanced trained group, whose pass rate is ~1/2 by design.
+    The exact statement (*) holds at the tracked level with fixed or teacher hints (one text per prompt and level);
+    online hints write a new hint each round, so rows of a round share a hint: log's h (linear in k1) stays
+    unbiased for the hint-averaged pass rate, but the derivation's "rows independent given rewards" holds only per
+    hint, so there it is an approximation."""
 
     name = "sage-light+ada-seq"
     uses_hints = True

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from sage_core import curation as C
 from sage_core.curation import AdaEst, AdaSeq, DapoFilter, SageLightAdaSeq, Weighted, with_weighting
-from sage_core.gate import prompt_weight
+from sage_core.gate import collapsed, prompt_weight
 from sage_core.schedulers import GRPO, SAGE, SCHEDULERS, SAGELight, make_scheduler
 from sage_core.spec import RunSpec
 
@@ -385,3 +385,65 @@ def test_any_history_gives_G_valid_picks_and_a_finite_weight(g, rows, method, we
     pool = [x for _, r in (tries if method != "dapo-filter" else tries[-1:]) for x in r]
     if 0 < sum(pool) < len(pool):
         assert 0 < sum(picked) < g  # a mixed pool always trains a mixed group
+
+
+# ---------------------------------------------------------------------------------------------- real training
+@pytest.mark.parametrize("method", ["dapo-filter", "ada-seq", "ada-est", "sage-light+ada-seq"])
+def test_trains_on_the_tiny_model_and_logs_the_budget(method, tiny_model_dir, tmp_path):
+    """Two real steps (tiny model, 4 prompts x 4 rollouts per step): the method runs through SageGRPOTrainer, every
+    rollout it spends is in sage/rollouts and the tracker, its counters are logged, and what the trainer handed
+    to finalize / got back obeys the contract (G picks, balance, weight = h S_ref / S_sel)."""
+    from sage_core.presets import preset
+    from sage_core.tracker import read_tracker
+    from sage_core.train import build_trainer
+
+    g = 4
+    # dapo-filter swaps collapsed prompts for ones outside the batch: leave enough of them (4 + 2 swaps x 4);
+    # sage-light+ada-seq sees its 4 hard prompts twice, so step 2 rolls at the levels step 1's pilots set
+    n_prompts = {"dapo-filter": 12, "sage-light+ada-seq": 4}.get(method, 8)
+    spec = preset("tiny-cpu", method=method, max_steps=2, num_prompts=n_prompts, num_generations=g,
+                  prompts_per_step=4, max_rounds=3, save_steps=100,
+                  difficulty="hard" if method == "sage-light+ada-seq" else "mixed")
+    trainer = build_trainer(spec, tmp_path)
+    sched, seen = trainer.scheduler, []
+    original = sched.finalize
+
+    def spy(pid, tries):
+        sel = original(pid, tries)
+        seen.append((tries, sel, pid))
+        return sel
+
+    sched.finalize = spy
+    trainer.train()
+    hist = [h for h in trainer.state.log_history if "sage/rollouts" in h]
+    df = read_tracker(trainer.args.tracker_dir)
+    assert len(hist) == 2 and sorted(df.step.unique()) == [1, 2] and (df.method == method).all()
+    assert sum(h["sage/rollouts"] for h in hist) == df.rollouts.sum() == sum(g * len(t) for t, _, _ in seen)
+    assert ((df.rollouts % g == 0) & (df.rollouts >= g) & (df.rollouts <= 3 * g)).all()  # max_rounds tries
+    for h in hist:
+        assert {"sage/rollouts_per_group", "sage/rollouts_per_mixed", "sage/extra_rounds",
+                "sage/mixed_frac"} <= set(h)
+    assert sum(h["sage/rollouts_per_group"] for h in hist) * 4 == pytest.approx(df.rollouts.sum())
+    for tries, sel, _ in seen:
+        assert len(sel.picks) == g and len(tries) <= 3
+        picked = [tries[t][1][j] for t, j in sel.picks]
+        if method == "dapo-filter":
+            assert {t for t, _ in sel.picks} == {len(tries) - 1}
+            assert all(collapsed(r) for _, r in tries[:-1])  # only collapsed groups were swapped
+            continue
+        pool = [x for _, r in tries for x in r]
+        k = sum(x > 0.5 for x in pool)
+        if 0 < k < len(pool):
+            assert sum(x > 0.5 for x in picked) == min(k, g - min(len(pool) - k, g // 2))
+            h = C.pilot_weight(sum(x > 0.5 for x in tries[0][1]), g, "log")
+            assert sel.weight == pytest.approx(h * C.reference_signal(g) / C.signal(picked))
+    if method == "dapo-filter":
+        assert sum(h["sage/new_prompts"] for h in hist) * 4 == pytest.approx((df.rollouts / g - 1).sum())
+    if method == "sage-light+ada-seq":  # SAGE-LIGHT's rule on the pilot's accuracy, all rounds at that level
+        first = {pid: t for t, _, pid in seen[:4]}
+        for tries, _, pid in seen[4:]:
+            assert {lv for lv, _ in tries} == {tries[0][0]}
+            acc = sum(first[pid][0][1]) / g
+            want = 1 if acc <= 0.1 else 0
+            assert tries[0][0] in (want, 0)  # 0 too: the trainer rolls without a hint when none could be written
+        assert any(lv > 0 for tries, _, _ in seen[4:] for lv, _ in tries), "no hinted level was exercised"
