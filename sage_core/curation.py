@@ -305,7 +305,6 @@ class _Pooled(_Curation):
         if extend not in ("auto", "both", "all0", "all1"):
             raise ValueError(f"extend must be auto, both, all0 or all1, got {extend!r}")
         self.estimator, self.extend = estimator, extend
-        self._pilot_rewards: dict[str, list[float]] = {}
 
     def _extends(self, side_all_one: bool, G: int) -> bool:
         """Whether a pool collapsed on this side is re-sampled ('auto': only where the estimator's h is > 0)."""
@@ -324,7 +323,6 @@ class _Pooled(_Curation):
         pos = [(t, j) for t, j, r in rows if r > 0.5]
         neg = [(t, j) for t, j, r in rows if r <= 0.5]
         k1 = _k(tries[0][1])
-        self._pilot_rewards[pid] = list(tries[0][1])
         if not pos or not neg:  # collapsed pool: the pilot, no signal
             self._count(tries, False, 1.0, len(pos) / len(rows))
             return Selection([(0, j) for j in range(G)], 1.0)
@@ -335,9 +333,6 @@ class _Pooled(_Curation):
         w = self._weight(k1, G, picked, len(pos), len(rows), self.estimator)
         self._count(tries, True, w, len(pos) / len(rows))
         return Selection(picks, w)
-
-    def observe(self, pid: str, level: int, rewards: list[float]) -> None:
-        self._pilot_rewards.pop(pid, None)
 
 
 class AdaSeq(_Pooled):
@@ -466,10 +461,9 @@ class SageLightAdaSeq(AdaSeq):
     def level_before(self, pid: str) -> int:
         return self.light.level_before(pid)
 
-    def observe(self, pid: str, level: int, rewards: list[float]) -> None:
-        # the trainer passes the trained (balanced) group; use this step's pilot when we have it. On a resume
-        # replay there is no pilot and the trained group's rewards are used (a level may then differ by one).
-        self.light.observe(pid, level, self._pilot_rewards.pop(pid, rewards))
+    def observe(self, pid: str, level: int, rewards: list[float], pilot: list[float] | None = None) -> None:
+        # the level rule sees the pilot (the trainer passes it live, and the tracker keeps it for resume replays)
+        self.light.observe(pid, level, pilot if pilot is not None else rewards)
 
     def state(self) -> dict:
         return self.light.state()
@@ -508,8 +502,8 @@ class Weighted(Scheduler):
         h = pilot_weight(_k(picked), G, self.objective)
         return Selection(sel.picks, float(sel.weight * h * reference_signal(G, self.scale_rewards) / s_sel))
 
-    def observe(self, pid: str, level: int, rewards: list[float]) -> None:
-        self.inner.observe(pid, level, rewards)
+    def observe(self, pid: str, level: int, rewards: list[float], pilot: list[float] | None = None) -> None:
+        self.inner.observe(pid, level, rewards, pilot)
 
     def state(self) -> dict:
         return self.inner.state()

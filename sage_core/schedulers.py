@@ -4,7 +4,8 @@ The trainer asks three questions, always about a prompt id (never a batch positi
   level_before(pid)            -> the level of the first rollout of this step (SAGE-LIGHT: the tracked level)
   next_action(pid, tries)      -> after the rollouts so far, roll again (Action) or stop (None)
   finalize(pid, tries)         -> which rolled rows form the trained group (and a weight on its advantages)
-  observe(pid, level, rewards) -> bookkeeping once the step's final group is known
+  observe(pid, level, rewards, pilot) -> bookkeeping once the step's final group is known (`pilot`: the first
+                               try's rewards, at level_before; every process observes every group)
 `tries` is the list of (level, rewards) rolled for this prompt in this step, in order.
 
 grpo:       never hints.
@@ -16,6 +17,7 @@ sage-light: one rollout per step at the prompt's tracked level; after it, raise 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,10 +30,11 @@ MAX_LEVEL = LEVELS[-1]
 @dataclass(frozen=True)
 class Action:
     """Roll the group again at `level`. `mode='replace'` swaps the group if the new rollouts are kept;
-    `mode='extend'` adds them to the prompt's pool (used by sampling methods that downsample a pool to G)."""
+    `mode='extend'` adds them to the prompt's pool (used by sampling methods that downsample a pool to G);
+    `mode='new_prompt'` swaps the group for a fresh prompt from the train set (DAPO dynamic sampling)."""
 
     level: int
-    mode: Literal["replace", "extend"] = "replace"
+    mode: Literal["replace", "extend", "new_prompt"] = "replace"
 
 
 Tries = list[tuple[int, list[float]]]
@@ -61,7 +64,7 @@ class Scheduler:
         chosen = next((i for i in range(len(tries) - 1, -1, -1) if tries[i][1] and not collapsed(tries[i][1])), 0)
         return Selection([(chosen, j) for j in range(len(tries[chosen][1]))])
 
-    def observe(self, pid: str, level: int, rewards: list[float]) -> None:
+    def observe(self, pid: str, level: int, rewards: list[float], pilot: list[float] | None = None) -> None:
         pass
 
     def state(self) -> dict:
@@ -99,7 +102,7 @@ class SAGELight(Scheduler):
     def level_before(self, pid: str) -> int:
         return self.levels.get(pid, 0)
 
-    def observe(self, pid: str, level: int, rewards: list[float]) -> None:
+    def observe(self, pid: str, level: int, rewards: list[float], pilot: list[float] | None = None) -> None:
         acc = pass_rate(rewards)
         if acc <= self.light_min:
             level = min(level + 1, MAX_LEVEL)
@@ -118,11 +121,14 @@ SCHEDULERS: dict[str, type[Scheduler]] = {"grpo": GRPO, "sage": SAGE, "sage-ligh
 
 
 def make_scheduler(method: str, **kwargs) -> Scheduler:
-    """Build the scheduler of a method name; kwargs a scheduler does not take are ignored."""
+    """Build the scheduler of a method name; kwargs a scheduler does not take are ignored. `weighting` (a prompt
+    objective f, trained through w(p) = f'(p)) wraps schedulers that do not weight groups themselves."""
     if method not in SCHEDULERS:
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(SCHEDULERS)}")
     cls = SCHEDULERS[method]
-    import inspect
-
     params = inspect.signature(cls.__init__).parameters
-    return cls(**{k: v for k, v in kwargs.items() if k in params})
+    scheduler = cls(**{k: v for k, v in kwargs.items() if k in params})
+    return curation.with_weighting(scheduler, kwargs.get("weighting", "none"))
+
+
+from . import curation  # noqa: E402  (registers dapo-filter, ada-seq, ada-est, sage-light+ada-seq)

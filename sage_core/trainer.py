@@ -175,7 +175,15 @@ class SageGRPOTrainer(GRPOTrainer):
     def _reroll(self, actions: dict[str, Action], tries: dict[str, list[Try]], hint_log) -> None:
         """One more round of G rollouts for each group in `actions` (every process calls this together)."""
         G = self.num_generations
-        fresh = {pid: self._draw_prompt(tries) for pid, a in actions.items() if a.mode == "new_prompt"}
+        fresh, taken = {}, {t.rows[0]["prompt_id"] for ts in tries.values() for t in ts}
+        for pid, a in list(actions.items()):
+            if a.mode == "new_prompt":
+                row = self._draw_prompt(taken)
+                if row is None:  # the train set has no prompt left outside this batch: keep the group
+                    del actions[pid]
+                    continue
+                fresh[pid] = row
+                taken.add(row["prompt_id"])
         asked = [(fresh.get(pid) or tries[pid][-1].rows[0], a.level) for pid, a in actions.items() if a.level > 0]
         hints = self._get_hints(asked)
         plan, batch = [], []
@@ -221,10 +229,10 @@ class SageGRPOTrainer(GRPOTrainer):
                     rows[slot].update(t.rows[ri])
             self._selections[pid] = sel
             observed.append((rows[idx[0]]["prompt_id"], ts[sel.picks[0][0]].level,
-                             [ts[ti].rewards[ri] for ti, ri in sel.picks]))
+                             [ts[ti].rewards[ri] for ti, ri in sel.picks], ts[0].rewards))
         # every process replays every group's outcome, so scheduler state stays identical across processes
-        for pid, level, rewards in gather_object(observed):
-            self.scheduler.observe(pid, level, rewards)
+        for pid, level, rewards, pilot in gather_object(observed):
+            self.scheduler.observe(pid, level, rewards, pilot)
         return ids, comp_ids, comps, (None if all(x is None for x in lps) else lps), weights, rpf
 
     # ------------------------------------------------------------------------------------------ pieces
@@ -318,17 +326,20 @@ class SageGRPOTrainer(GRPOTrainer):
             self.hint_source.prepare(rows, self._hint_context())
             self._metrics["train"]["sage/hint_prepare_seconds"].append(time.perf_counter() - t0)
 
-    def _draw_prompt(self, tries) -> dict:
-        """A fresh prompt from the train set, not in this batch (methods that resample prompts)."""
+    def _draw_prompt(self, taken: set[str]) -> dict | None:
+        """A fresh prompt from the train set that is not in `taken` (methods that resample prompts), or None."""
+        n = len(self.train_dataset)
         if self._pool is None:
             gen = torch.Generator().manual_seed(self.args.seed + self.accelerator.process_index)
-            self._pool = iter(torch.randperm(len(self.train_dataset), generator=gen).tolist() * 1000)
-        in_batch = {t.rows[0]["prompt_id"] for ts in tries.values() for t in ts}
-        for i in self._pool:
+            self._pool = torch.randperm(n, generator=gen).tolist()
+            self._pool_pos = 0
+        for _ in range(n):
+            i = self._pool[self._pool_pos % n]
+            self._pool_pos += 1
             row = dict(self.train_dataset[i])
-            if row["prompt_id"] not in in_batch:
+            if row["prompt_id"] not in taken:
                 return row
-        raise RuntimeError("no fresh prompt left to draw")
+        return None
 
     def _record(self, groups, tries, hint_log, rows) -> None:
         """Tracker rows for this step and the step's sage/* metrics, computed on all processes' groups."""
@@ -358,6 +369,7 @@ class SageGRPOTrainer(GRPOTrainer):
                 leak_l1=1 in h["leaked"], leak_l2=2 in h["leaked"], leak_l3=3 in h["leaked"],
                 hint_failed=h["failed"], rollouts=sum(len(t.rewards) for t in ts),
                 completions=[_text(ts[ti].completions[ri]) for ti, ri in sel.picks], rewards=final_rewards,
+                pilot_rewards=list(first.rewards),
                 energy=gate.advantage_energy(final_rewards), weight=sel.weight, method=method,
             ))
         recs = gather_object(recs)
@@ -391,7 +403,8 @@ class SageGRPOTrainer(GRPOTrainer):
         """Replay the tracker files of steps <= up_to_step into the tracker and the scheduler; returns the count."""
         count = 0
         for rec in self.tracker.reload(up_to_step):
-            self.scheduler.observe(rec["prompt_id"], int(rec["level"]), [float(x) for x in rec["rewards"]])
+            self.scheduler.observe(rec["prompt_id"], int(rec["level"]), [float(x) for x in rec["rewards"]],
+                                   [float(x) for x in rec["pilot_rewards"]])
             count += 1
         return count
 

@@ -1,0 +1,22 @@
+"""Run by tests/test_multiprocess.py under torchrun: SAGE-family training on 2 CPU processes (gloo)."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from sage_core.presets import preset  # noqa: E402
+from sage_core.train import build_trainer  # noqa: E402
+
+out, method = sys.argv[1], sys.argv[2]
+spec = preset("tiny-cpu", method=method, difficulty="hard", num_prompts=8, prompts_per_step=4, num_generations=4,
+              max_steps=2, max_completion_length=32, save_steps=100)
+trainer = build_trainer(spec, out)
+trainer.train()
+rank = trainer.accelerator.process_index
+with open(os.path.join(out, f"state_rank{rank}.json"), "w") as f:
+    json.dump({"scheduler": trainer.scheduler.state(), "seen": sorted(trainer.tracker.seen),
+               "solved": sorted(trainer.tracker.solved),
+               "history": [{k: v for k, v in h.items() if k.startswith("sage/")} for h in trainer.state.log_history]},
+              f)
