@@ -159,13 +159,16 @@ class SageGRPOTrainer(GRPOTrainer):
         self._final_rpf = final_rpf
         self._row_weights = weights if bool((weights != 1).any()) else None
         self._record(groups, tries, hint_log, rows)
-        m["sage/gen_seconds"].append(time.perf_counter() - t_start - self._hint_seconds)
-        m["sage/hint_seconds"].append(self._hint_seconds)
+        # wall time is the slowest process's; scheduler statistics are averaged over processes
+        gen_s, hint_s = zip(*gather_object([(time.perf_counter() - t_start - self._hint_seconds, self._hint_seconds)]))
+        m["sage/gen_seconds"].append(max(gen_s))
+        m["sage/hint_seconds"].append(max(hint_s))
         for key in ("reroll_groups", "reroll_rows", "hint_rows"):  # this process's counts; summed over processes
             m[f"sage/{key}"].append(float(sum(gather_object([self._counts[key]]))))
-        if hasattr(self.scheduler, "metrics"):
-            for k, v in self.scheduler.metrics().items():
-                m[f"sage/{k}"].append(v)
+        stats = gather_object([self.scheduler.metrics() if hasattr(self.scheduler, "metrics") else {}])
+        for k in stats[0]:
+            vals = [d[k] for d in stats if k in d and d[k] == d[k]]
+            m[f"sage/{k}"].append(sum(vals) / len(vals) if vals else float("nan"))
         return new_ids, new_comp, None, new_completions, new_lp, extra, images, tool_images
 
     def _make_try(self, level, hint, rows, prompt_ids, completion_ids, completions, logprobs, rpf) -> Try:

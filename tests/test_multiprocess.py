@@ -28,7 +28,11 @@ def test_two_processes_agree(tiny_model_dir, tmp_path, method):
     r0, r1 = (json.loads((tmp_path / f"state_rank{r}.json").read_text()) for r in (0, 1))
     assert r0["scheduler"] == r1["scheduler"]  # SAGE-LIGHT levels replayed from every rank's groups
     assert r0["seen"] == r1["seen"] and len(r0["seen"]) >= 4
-    assert r0["history"] == r1["history"]  # sage/* metrics are computed on gathered groups
+    def global_metrics(history):  # timings are each process's own; everything else is computed on gathered groups
+        return [{k: v for k, v in h.items() if not k.endswith("_seconds")} for h in history]
+
+    assert global_metrics(r0["history"]) == global_metrics(r1["history"])
+    assert sum("sage/frac_collapsed" in h for h in r0["history"]) == 2
     files = sorted((tmp_path / "tracker").glob("step_*.parquet"))
     assert len(files) == 2  # written once, by rank 0
     for f in files:
