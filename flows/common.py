@@ -225,7 +225,7 @@ def train_task(spec: RunSpec, output_dir: str, run_id: str, label: str, launcher
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=10, retry_condition_fn=is_transient,
-      cache_policy=INPUTS + TASK_SOURCE, persist_result=True, cache_expiration=timedelta(days=7),
+      cache_policy=(INPUTS - "label") + TASK_SOURCE, persist_result=True, cache_expiration=timedelta(days=7),
       task_run_name="evaluate-{label}")
 def evaluate_task(model_ref: str, benchmarks: dict[str, Any], k: int, temperature: float, top_p: float,
                   max_new_tokens: int, use_vllm: bool, seed: int = 0, gguf_file: str | None = None,

@@ -11,7 +11,6 @@ import argparse
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 import pandas as pd
 
@@ -58,9 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MLflow comparison: {tracking.compare_url(children, exp_id)}")
     print(f"MLflow store     : {tracking.tracking_uri()}")
     print(f"Dashboard        : make dashboard   ->  {dashboard_url()}")
-    root = Path(tracking.REPO_ROOT)
-    print(f"Prefect UI       : http://127.0.0.1:{os.environ.get('PREFECT_PORT', '4200')}   (make down stops it; "
-          f"repo {root})")
+    print(f"Prefect UI       : http://127.0.0.1:{os.environ.get('PREFECT_PORT', '4200')}   (make down stops the "
+          "services)")
     return 0
 
 

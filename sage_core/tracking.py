@@ -93,6 +93,7 @@ def configure() -> str:
 def client():
     from mlflow import MlflowClient
 
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no tqdm bars in Prefect logs
     return MlflowClient(tracking_uri())
 
 
@@ -468,16 +469,22 @@ def to_markdown(df: pd.DataFrame, floatfmt: str = ".3f") -> str:
     """A GitHub-style table without the optional `tabulate` dependency."""
     cols = [str(c) for c in df.columns]
 
-    def fmt(v: Any) -> str:
+    def whole(c) -> bool:  # float columns holding counts (rollouts, steps) print as integers
+        vals = [v for v in df[c] if isinstance(v, float) and not math.isnan(v)]
+        return bool(vals) and all(v.is_integer() and abs(v) >= 1 or v == 0 for v in vals) and any(vals)
+
+    ints = {c for c in df.columns if whole(c)}
+
+    def fmt(v: Any, as_int: bool) -> str:
         if v is None or (isinstance(v, float) and math.isnan(v)):
             return ""
         if isinstance(v, float):
-            return format(v, floatfmt)
+            return str(int(v)) if as_int else format(v, floatfmt)
         return str(v).replace("|", "\\|")
 
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for row in df.itertuples(index=False):
-        lines.append("| " + " | ".join(fmt(v) for v in row) + " |")
+        lines.append("| " + " | ".join(fmt(v, c in ints) for v, c in zip(row, df.columns)) + " |")
     return "\n".join(lines)
 
 

@@ -200,10 +200,74 @@ def test_hint_study_children_table_and_rerun(prefect_harness, store):
 
     with get_client(sync_client=True) as pc:
         arts = pc.read_artifacts()
+        task_runs = pc.read_task_runs()
     assert any(a.key == "t-study-comparison" and a.type == "table" for a in arts)
+    # the initial model is evaluated once: the second variant's "before" eval comes from Prefect's cache
+    before = sorted(t.state.name for t in task_runs if t.name.startswith("evaluate-") and t.name.endswith("-before"))
+    assert before == ["Cached", "Completed"], before
 
     # re-run: nothing trains again, same parent, same children
     table2 = hint_study(**kw)
     assert [r["run_id"] for r in table2] == [r["run_id"] for r in table]
     assert len(tracking.find_runs("t-study", kind="train")) == len(methods)
     assert len(tracking.find_runs("t-study", kind="study")) == 1
+
+    # sage-eval on a finished child's checkpoint (runs:/...) over a benchmark file, into a new eval run
+    import json
+
+    from flows.eval_flow import sage_eval
+    from sage_core.data import eval_rows
+
+    bench = store / "mini.jsonl"
+    rows = eval_rows(params.resolve_spec("tiny-cpu", None, {"eval_num_prompts": 3})).to_list()
+    bench.write_text("".join(json.dumps({k: r[k] for k in ("problem", "answer", "prompt_id")}) + "\n"
+                             for r in rows))
+    out = sage_eval(model=f"runs:/{table[0]['run_id']}", benchmarks={"mini": str(bench)}, k=1,
+                    experiment="t-sage-eval")
+    assert [(r["benchmark"], r["k"], r["n_prompts"]) for r in out] == [("mini", 1, 3)]
+    (ev_run,) = tracking.find_runs("t-sage-eval", kind="eval")
+    assert ev_run.data.tags["sage.eval_of"] == table[0]["run_id"] and tracking.is_complete(ev_run)
+    assert list(tracking.load_eval(ev_run.info.run_id)["when"]) == ["after"]
+
+
+def test_gpu_presets_train_through_accelerate_launch(tmp_path, monkeypatch):
+    """GPU presets (use_vllm) go through sage_core.launch.launch with the flow's MLflow run; what the ranks did not
+    log live (history, tracker files, checkpoint) is logged afterwards. No GPU: a clear error."""
+    from types import SimpleNamespace
+
+    from prefect.logging import disable_run_logger
+
+    import sage_core.launch as L
+    from sage_core.presets import preset
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    calls = {}
+
+    def fake_launch(spec, out, *, log, env, check, mlflow_run_id):
+        out = common.Path(out)
+        calls.update(spec=spec, env=env, run_id=mlflow_run_id)
+        (out / "tracker").mkdir(parents=True)
+        pd.DataFrame({"step": [1], "prompt_id": ["p"]}).to_parquet(out / "tracker" / "step_000001.parquet")
+        (out / "final").mkdir()
+        (out / "final" / "config.json").write_text("{}")
+        return SimpleNamespace(result={"log_history": [{"step": 1, "reward": 0.5}], "global_step": 1,
+                                       "checkpoint_dir": str(out / "final"), "wall_seconds": 3.0,
+                                       "summary": {"never_solved": 0.25}})
+
+    monkeypatch.setattr(L, "launch", fake_launch)
+    monkeypatch.setattr(L, "visible_gpus", lambda: [0])
+    gpu = preset("qwen2.5-7b")
+    assert common.wants_accelerate(gpu, "auto") and not common.wants_accelerate(preset("tiny-cpu"), "auto")
+    rid = tracking.open_run(gpu, "train", experiment="t-gpu")
+    with disable_run_logger():
+        res = common._train_accelerate(gpu, tmp_path / "out", rid)
+    assert calls["run_id"] == rid and calls["env"]["SAGE_MLFLOW_RUN_ID"] == rid and calls["spec"] == gpu
+    assert res["global_step"] == 1 and res["summary"] == {"never_solved": 0.25}
+    c = tracking.client()
+    assert [(m.step, m.value) for m in c.get_metric_history(rid, "reward")] == [(1, 0.5)]
+    assert [a.path for a in c.list_artifacts(rid, "tracker")] == ["tracker/step_000001.parquet"]
+    assert [a.path for a in c.list_artifacts(rid, "checkpoint")] == ["checkpoint/config.json"]
+    monkeypatch.setattr(L, "visible_gpus", lambda: [])
+    with disable_run_logger(), pytest.raises(RuntimeError, match="no GPU"):
+        common._train_accelerate(gpu, tmp_path / "out2", rid)
