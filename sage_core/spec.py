@@ -49,7 +49,7 @@ class RunSpec(BaseModel):
     max_steps: int = Field(20, ge=1, description="rollout batches (generation steps)")
     updates_per_generation: int = Field(1, ge=1, description="optimizer steps per rollout batch (paper: 2)")
     micro_batch_size: int | None = Field(None, ge=1, description="rows per forward/backward; None: all at once")
-    learning_rate: float = Field(5e-4, gt=0.0)
+    learning_rate: float = Field(1e-4, gt=0.0)
     max_prompt_length: int | None = Field(None, description="longest prompt incl. hint (sizes vLLM's context)")
     max_completion_length: int = Field(40, ge=1)
     temperature: float = Field(1.0, gt=0.0)
