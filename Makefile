@@ -10,7 +10,7 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: install browser test test-all demo up down serve dashboard bench lint clean
+.PHONY: install browser test test-all demo up down serve dashboard bench
 
 install: $(VENV)/.installed
 
@@ -36,5 +36,8 @@ test: install browser
 
 test-all: install browser
 	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/overhead.py --prompts 16 --steps 8
 
 include flows/services.mk

@@ -15,7 +15,7 @@ SERVICES = BIN="$(abspath $(BIN))" bash $(CURDIR)/flows/services.sh
 
 .PHONY: mlflow-ui services-status
 
-up:
+up: install
 	$(SERVICES) up
 
 down:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Local services of SAGE Studio: a real Prefect server, the MLflow UI, and the process serving the deployments.
 #
-#   flows/services.sh up        start all three in the background (pid files + logs in $SAGE_HOME/run), wait for health
+#   flows/services.sh up        start all three in the background (pid files + logs in $SAGE_HOME/run), wait for health;
+#                               with a Docker engine present, `docker compose -f docker/compose.yaml up -d` instead
 #   flows/services.sh down      stop what `up` started (by pid file, process group), nothing else
 #   flows/services.sh status    what is running
 #   flows/services.sh env       export lines for your shell:  eval "$(flows/services.sh env)"
@@ -97,8 +98,25 @@ stop() {  # stop NAME: TERM the process group, then KILL after 20 s
   rm -f "$f"
 }
 
+use_compose() {  # SAGE_SERVICES=auto|local|compose: compose when a Docker engine answers (auto), else local
+  case "${SAGE_SERVICES:-auto}" in
+    local) return 1 ;;
+    compose) return 0 ;;
+    *) command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1 && docker compose version >/dev/null 2>&1 ;;
+  esac
+}
+
+COMPOSE=(docker compose -f "$ROOT/docker/compose.yaml")
+
 cmd_up() {
   mkdir -p "$RUN" "$PREFECT_HOME" "$SAGE_HOME/mlartifacts"
+  if use_compose; then
+    say "Docker engine found: starting the compose stack (SAGE_SERVICES=local to use local processes)"
+    "${COMPOSE[@]}" up -d --wait
+    touch "$RUN/compose"
+    say "Prefect UI http://127.0.0.1:4200   MLflow UI http://127.0.0.1:5000   dashboard http://127.0.0.1:8501"
+    return
+  fi
   if ! alive prefect && port_busy "$PREFECT_HOST" "$PREFECT_PORT"; then
     say "port $PREFECT_PORT is in use by another program; set PREFECT_PORT=..."; exit 1; fi
   if ! alive mlflow && port_busy "$MLFLOW_HOST" "$MLFLOW_PORT"; then
@@ -118,6 +136,7 @@ cmd_up() {
 }
 
 cmd_down() {
+  if [[ -f "$RUN/compose" ]]; then "${COMPOSE[@]}" down && rm -f "$RUN/compose"; return; fi
   stop serve
   stop mlflow
   stop prefect
@@ -137,7 +156,7 @@ cmd_env() {
 
 cmd_run() {
   [[ $# -ge 1 ]] || { say "usage: services.sh run FLOW/DEPLOYMENT [args]"; exit 2; }
-  alive serve || { say "the deployments are not served: run 'make up' first"; exit 1; }
+  [[ -f "$RUN/compose" ]] || alive serve || { say "the deployments are not served: run 'make up' first"; exit 1; }
   cd "$ROOT" && exec "$BIN/prefect" deployment run "$@" --watch
 }
 
