@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny-cpu")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--methods", default="grpo,sage-light,sage")
+    ap.add_argument("--methods", default="grpo,sage-light,sage,dapo-filter,ada-seq,ada-est,sage-light+ada-seq")
     ap.add_argument("--prompts", type=int, default=None, help="num_prompts override")
     args = ap.parse_args(argv)
     overrides = {"num_prompts": args.prompts} if args.prompts else {}

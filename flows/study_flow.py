@@ -76,9 +76,13 @@ def teacher_hints_file(base: RunSpec, experiment: str) -> Path:
     return path
 
 
-def variant_specs(base: RunSpec, methods: list[str], teacher: str | None = None) -> dict[str, RunSpec]:
+def variant_specs(base: RunSpec, methods: list[str], teacher: str | None = None,
+                  match_budget: bool = False) -> dict[str, RunSpec]:
     """One RunSpec per variant. Only the teacher variant carries `teacher`, so the other variants' spec keys
-    do not depend on it. Raises ValueError naming an unknown variant or a teacher variant without a teacher."""
+    do not depend on it. With `match_budget` every variant stops at GRPO's rollout count for the base spec
+    (max_steps x prompts_per_step x G) and may take up to max_rounds x more steps to spend it: methods that
+    re-roll or resample then train on fewer steps. Raises ValueError naming an unknown variant or a teacher
+    variant without a teacher."""
     unknown = [m for m in methods if m not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {list(VARIANTS)}")
@@ -94,6 +98,9 @@ def variant_specs(base: RunSpec, methods: list[str], teacher: str | None = None)
             values["teacher_model"] = base.teacher_model
         if "hint_source" not in VARIANTS[name]:
             values["hint_source"] = "online"  # no hints used: keep the key independent of the base's source
+        if match_budget:
+            values["rollout_budget"] = base.max_steps * base.prompts_per_step * base.num_generations
+            values["max_steps"] = base.max_steps * max(base.max_rounds, 4)
         out[name] = RunSpec(**values)
     return out
 
@@ -152,7 +159,7 @@ def _log_parent_metrics(df: pd.DataFrame, parent_id: str) -> None:
 
 def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None = None,
                methods: list[VariantName] = DEFAULT_METHODS, experiment: str | None = None,  # type: ignore[valid-type]
-               benchmarks: dict[str, str] | None = None, force: bool = False,
+               benchmarks: dict[str, str] | None = None, force: bool = False, match_budget: bool = False,
                launcher: Launcher = "auto", **overrides: Any) -> list[dict[str, Any]]:
     """Run the hint variants side by side and compare them without hints at test time.
 
@@ -163,6 +170,8 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None =
         experiment: MLflow experiment (default hint-study-<preset>).
         benchmarks: no-hint eval files {name: path}; default: the held-out set of the spec.
         force: re-train variants that already finished.
+        match_budget: every variant stops at GRPO's total rollout count (equal sampling cost) instead of
+            training the same number of steps.
         launcher: auto, local or accelerate (see sage-train).
     """
     logger = get_run_logger()
@@ -176,7 +185,7 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None =
     if "sage-teacher" in methods and not teacher:
         teacher = str(teacher_hints_file(base, experiment))
         logger.info("sage-teacher: reference-solution hints %s", teacher)
-    variants = variant_specs(base, methods, teacher)
+    variants = variant_specs(base, methods, teacher, match_budget)
 
     skey = study_key(base, experiment)
     out = runs_root() / slug(experiment) / f"study-{skey}"

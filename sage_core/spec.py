@@ -42,6 +42,8 @@ class RunSpec(BaseModel):
     light_max: float = Field(0.35, ge=0.0, le=1.0, description="SAGE-LIGHT: lower level when accuracy > this")
     weighting: Weighting = Field("none", description="prompt weight w(p)=f'(p) applied to advantages")
     max_rounds: int = Field(4, ge=1, description="dapo-filter / ada-seq: sampling rounds cap")
+    rollout_budget: int | None = Field(None, ge=1, description="stop once this many completions were rolled out "
+                                                               "(compare methods on equal sampling cost)")
 
     # GRPO / optimisation
     num_generations: int = Field(8, ge=2, description="G, rollouts per prompt")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+from transformers import TrainerCallback
 
 from .spec import RunSpec
 
@@ -102,6 +103,18 @@ def build_config(spec: RunSpec, output_dir: str | Path):
     )
 
 
+class RolloutBudget(TrainerCallback):
+    """Stops training once `budget` completions were rolled out (re-rolls and resampled prompts included)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.spent = budget, 0.0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.spent += (logs or {}).get("sage/rollouts", 0.0) or 0.0
+        if self.spent >= self.budget:
+            control.should_training_stop = True
+
+
 def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
     from .data import build_dataset
     from .hints import make_hint_source
@@ -118,6 +131,7 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
                                num_generations=spec.num_generations)
     hint_source = make_hint_source(spec.hint_source, output_dir, spec.teacher, spec.teacher_model,
                                    spec.hint_max_tokens)
+    callbacks = list(callbacks) + ([RolloutBudget(spec.rollout_budget)] if spec.rollout_budget else [])
     return SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
                            processing_class=tokenizer, callbacks=list(callbacks), scheduler=scheduler,
                            hint_source=hint_source)

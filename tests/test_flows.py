@@ -271,3 +271,15 @@ def test_gpu_presets_train_through_accelerate_launch(tmp_path, monkeypatch):
     monkeypatch.setattr(L, "visible_gpus", lambda: [])
     with disable_run_logger(), pytest.raises(RuntimeError, match="no GPU"):
         common._train_accelerate(gpu, tmp_path / "out2", rid)
+
+
+def test_variant_specs_match_the_rollout_budget():
+    from flows.study_flow import variant_specs
+    from sage_core.presets import preset
+
+    base = preset("tiny-cpu", max_steps=3)
+    v = variant_specs(base, ["grpo", "ada-seq", "sage-online"], match_budget=True)
+    budget = 3 * base.prompts_per_step * base.num_generations  # what GRPO spends in 3 steps
+    assert {s.rollout_budget for s in v.values()} == {budget}
+    assert all(s.max_steps >= 3 for s in v.values())
+    assert all(s.rollout_budget is None for s in variant_specs(base, ["grpo", "ada-seq"]).values())

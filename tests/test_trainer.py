@@ -133,3 +133,16 @@ def test_groups_are_keyed_by_prompt_id_not_position():
         _groups_by_prompt_id([{"prompt_id": p} for p in "abab"], 2)
     with pytest.raises(ValueError, match="prompt_id"):
         _groups_by_prompt_id([{"x": 1}], 1)
+
+
+def test_rollout_budget_stops_training_when_spent():
+    from types import SimpleNamespace
+
+    from sage_core.train import RolloutBudget
+
+    cb, control = RolloutBudget(100), SimpleNamespace(should_training_stop=False)
+    cb.on_log(None, None, control, logs={"sage/rollouts": 64.0})
+    assert not control.should_training_stop
+    cb.on_log(None, None, control, logs={"loss": 0.1})  # other log lines spend nothing
+    cb.on_log(None, None, control, logs={"sage/rollouts": 40.0})
+    assert control.should_training_stop and cb.spent == 104
