@@ -584,6 +584,19 @@ def pick_run(ctx: Context, key: str, predicate=None, label: str = "Run") -> str 
     return st.selectbox(label, pool, format_func=ctx.label, key=key)
 
 
+def pick_run_with_tracker(ctx: Context, key: str) -> tuple[str, pd.DataFrame, int]:
+    """For per-prompt pages: the picked run and its tracker frame, or an info message and st.stop()."""
+    run_id = pick_run(ctx, key)
+    if run_id is None:
+        st.info("Pick a run in the sidebar.")
+        st.stop()
+    frame, n_files = tracker_for(ctx, run_id)
+    if frame.empty:
+        st.info("This run has no per-prompt tracker files (`tracker/step_*.parquet`).")
+        st.stop()
+    return run_id, frame, n_files
+
+
 def tracker_for(ctx: Context, run_id: str) -> tuple[pd.DataFrame, int]:
     r = ctx.run(run_id)
     n = len(tracker_files(ctx.uri, run_id, r["artifact_uri"]))

@@ -11,15 +11,8 @@ from dashboards import data as D
 
 ctx = D.context()
 st.title("Collapsed prompts")
-run_id = D.pick_run(ctx, "explorer_run")
-if run_id is None:
-    st.info("Pick a run in the sidebar.")
-    st.stop()
+run_id, frame, n_files = D.pick_run_with_tracker(ctx, "explorer_run")
 r = ctx.run(run_id)
-frame, n_files = D.tracker_for(ctx, run_id)
-if frame.empty:
-    st.info("This run has no per-prompt tracker files (`tracker/step_*.parquet`).")
-    st.stop()
 
 
 @st.cache_data(show_spinner=False, max_entries=16)

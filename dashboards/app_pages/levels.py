@@ -13,14 +13,7 @@ LEVEL_COLORS = ["#e8e8e8", "#fdd49e", "#fc8d59", "#b30000"]
 
 ctx = D.context()
 st.title("Per-prompt hint levels")
-run_id = D.pick_run(ctx, "levels_run")
-if run_id is None:
-    st.info("Pick a run in the sidebar.")
-    st.stop()
-frame, n_files = D.tracker_for(ctx, run_id)
-if frame.empty:
-    st.info("This run has no per-prompt tracker files (`tracker/step_*.parquet`).")
-    st.stop()
+run_id, frame, n_files = D.pick_run_with_tracker(ctx, "levels_run")
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
