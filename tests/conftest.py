@@ -4,7 +4,7 @@
 - `sage_home` (session, autouse): SAGE_HOME -> a fresh per-session dir under pytest's tmp dir, so tests never
   touch the repo's .sage; SAGE_MODEL_CACHE -> $SAGE_TEST_CACHE when set (reused across runs: fast local reruns),
   else <that SAGE_HOME>/cache (the tiny model is then built once per session).
-- `tiny_model_dir` (session): the warm-started tiny model dir (built on first use, about a minute or two).
+- `tiny_model_dir` (session): the warm-started tiny model dir (built on first use, about 3-4 minutes on 2 cores).
   Load your own copy from it (`load_policy("tiny")` or `from_pretrained(tiny_model_dir)`): never share a mutable
   model object between tests.
 """

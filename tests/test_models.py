@@ -65,7 +65,7 @@ def test_warm_start_examples_never_include_unhinted_hard_problems():
     for _ in range(300):
         user, answer = models.warm_start_example("direct", rng)
         assert prompts.HINT_HEADER not in user
-        assert data.parse_steps(answer) and len(data.parse_steps(answer)) <= 2
+        assert len(data.parse_steps(answer)) == 1
     user, answer = models.warm_start_example("hint", rng)
     assert user.startswith("You are a tutor.") and "boxed" not in answer
 
@@ -178,15 +178,15 @@ def test_tiny_model_difficulty_profile(tiny):
     acc_hint = _acc(_sample(model, tok, hinted), hard)
     print(f"easy {acc_easy:.2f} hard {acc_hard:.2f} hard+L3 {acc_hint:.2f}")
     # see models.WARM_START_MEASURED for the numbers at build time
-    assert 0.3 <= acc_easy <= 0.9
-    assert acc_hard <= 0.15
-    assert acc_hint >= acc_hard + 0.05
+    assert 0.3 <= acc_easy <= 0.95
+    assert acc_hard <= 0.08
+    assert acc_hint >= acc_hard + 0.1
 
 
 def test_tiny_model_writes_its_own_hints(tiny):
     model, tok = tiny
     rows = data.synthetic_rows(40, seed=22)
-    for level, least in ((1, 0.45), (3, 0.25)):  # measured (n=60, T=1): 0.72 and 0.50 exact matches
+    for level, least in ((1, 0.5), (3, 0.25)):  # measured (n=150, T=1): 0.85 and 0.49 exact matches
         outs = _sample(model, tok, [prompts.hint_request(r["problem"], r["solution"], level) for r in rows])
         exact = sum(o.strip() == data.reference_hint(r, level) for o, r in zip(outs, rows)) / len(rows)
         assert exact >= least, (level, exact, outs[:3])
