@@ -232,22 +232,15 @@ def _openai_generate(base_url: str, model: str | None) -> GenerateFn:
 
 
 def _local_model_generate(path: str) -> GenerateFn:
+    from .evaluate import generate_hf, render_prompt
     from .models import load_policy
 
     model, tok = load_policy(path)
-    model.eval()
 
     def generate(prompts, max_new_tokens):
-        import torch
-
-        if not prompts:
-            return []
-        enc = tok.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True, padding=True,
-                                      return_dict=True, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=0.7,
-                                 pad_token_id=tok.pad_token_id)
-        return tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        texts = [render_prompt(tok, {"prompt": p}) for p in prompts]
+        return [c[0] for c in generate_hf(model, tok, texts, k=1, temperature=0.7, top_p=1.0,
+                                          max_new_tokens=max_new_tokens)]
 
     return generate
 

@@ -310,7 +310,8 @@ def score(completion: str, gold: str, timeout: float | None = None) -> float:
         return 0.0
 
 
-def _content(completion: Any) -> str:
+def completion_text(completion: Any) -> str:
+    """The assistant text of a completion: a string, or TRL's conversational [{role, content}] form."""
     if isinstance(completion, str):
         return completion
     if isinstance(completion, list):  # conversational: [{"role": "assistant", "content": ...}, ...]
@@ -326,7 +327,7 @@ def boxed_reward(completions: list[Any], answer: list[str], **kwargs: Any) -> li
     """TRL reward function: math-verify accuracy of the last \\boxed{} against the `answer` column."""
     if len(completions) != len(answer):
         raise ValueError(f"boxed_reward: {len(completions)} completions but {len(answer)} answers")
-    return [score(_content(c), a) for c, a in zip(completions, answer)]
+    return [score(completion_text(c), a) for c, a in zip(completions, answer)]
 
 
 boxed_reward.__name__ = "accuracy"

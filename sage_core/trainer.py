@@ -27,6 +27,7 @@ from trl.data_utils import is_conversational
 from . import gate
 from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints
 from .prompts import LEVELS, hinted_problem
+from .reward import completion_text
 from .schedulers import Action, Scheduler, make_scheduler
 from .tracker import PromptTracker
 
@@ -371,7 +372,7 @@ class SageGRPOTrainer(GRPOTrainer):
                 acc_l1=acc[1], acc_l2=acc[2], acc_l3=acc[3],
                 leak_l1=1 in h["leaked"], leak_l2=2 in h["leaked"], leak_l3=3 in h["leaked"],
                 hint_failed=h["failed"], rollouts=sum(len(t.rewards) for t in ts),
-                completions=[_text(ts[ti].completions[ri]) for ti, ri in sel.picks], rewards=final_rewards,
+                completions=[completion_text(ts[ti].completions[ri]) for ti, ri in sel.picks], rewards=final_rewards,
                 pilot_rewards=list(first.rewards),
                 energy=gate.advantage_energy(final_rewards), weight=sel.weight, method=method,
             ))
@@ -439,8 +440,3 @@ def _log_hint(log: dict, level: int, res: HintResult) -> None:
 def _problem_of(row: dict) -> str:
     p = row["prompt"]
     return p if isinstance(p, str) else [m for m in p if m["role"] == "user"][-1]["content"]
-
-
-def _text(completion) -> str:
-    return completion if isinstance(completion, str) else completion[-1]["content"]
-
