@@ -177,7 +177,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if _is_main_process():
         print(f"sage train: method={spec.method} model={spec.model} steps={spec.max_steps} -> {out}", flush=True)
     callbacks, run_id = _open_tracking(spec, out, args)
-    from .train import train
+    from .train import shutdown_distributed, train
 
     try:
         result = train(spec, out, callbacks=callbacks, resume=not args.no_resume)
@@ -187,6 +187,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             finish_run(run_id, status="FAILED")
         raise
+    shutdown_distributed()
     if not _is_main_process():
         return 0
     d = result_dict(result)  # with log_history: a flow that launched the ranks may log it afterwards

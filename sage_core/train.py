@@ -172,6 +172,18 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
                        summary, history)
 
 
+def shutdown_distributed() -> None:
+    """End a multi-process run cleanly: wait for every rank, then destroy the process group. Left to interpreter
+    exit, gloo's threads can be torn down mid-flight and abort the process (std::terminate, SIGABRT)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
 def summarize(history: list[dict], tracker) -> dict[str, float]:
     """The numbers that matter for a run, from its log history and per-prompt tracker."""
     steps = [h for h in history if "sage/frac_collapsed" in h]

@@ -7,7 +7,7 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from sage_core.presets import preset  # noqa: E402
-from sage_core.train import build_trainer  # noqa: E402
+from sage_core.train import build_trainer, shutdown_distributed  # noqa: E402
 
 out, method = sys.argv[1], sys.argv[2]
 spec = preset("tiny-cpu", method=method, difficulty="hard", num_prompts=8, prompts_per_step=4, num_generations=4,
@@ -20,3 +20,4 @@ with open(os.path.join(out, f"state_rank{rank}.json"), "w") as f:
                "solved": sorted(trainer.tracker.solved),
                "history": [{k: v for k, v in h.items() if k.startswith("sage/")} for h in trainer.state.log_history]},
               f)
+shutdown_distributed()
