@@ -22,8 +22,9 @@ from .prompts import LEVELS, chat, hint_request
 
 log = logging.getLogger(__name__)
 
-# generate(chat_prompts, max_new_tokens) -> completion texts, one per prompt (collective-safe in the trainer)
-GenerateFn = Callable[[list[list[dict]], int], list[str]]
+# generate(chat_prompts, max_new_tokens, temperature) -> completion texts, one per prompt (collective-safe in the
+# trainer); temperature 0 means greedy
+GenerateFn = Callable[[list[list[dict]], int, float], list[str]]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class HintContext:
     generate: GenerateFn
     max_new_tokens: int = 48
     retries: int = 2
+    temperature: float = 0.0  # the first sample of each hint (greedy, as the paper's code writes its hints)
+    retry_temperature: float = 1.0  # resamples after a leak or an empty hint (greedy would repeat the first)
     gather: Callable[[list], list] = field(default=lambda xs: xs)  # all_gather_object, flattened
     rank: int = 0
     world: int = 1
@@ -107,12 +110,14 @@ class HintSource:
 
 
 def sample_hints(requests: Sequence[HintRequest], ctx: HintContext) -> list[HintResult]:
-    """Ask the model for each hint; resample the ones that leaked or came back empty, up to ctx.retries times.
-    Always makes 1 + retries generate calls (some maybe empty), so every process makes the same calls."""
+    """Ask the model for each hint (at ctx.temperature); resample the ones that leaked or came back empty, up to
+    ctx.retries times (at ctx.retry_temperature). Always makes 1 + retries generate calls (some maybe empty), so
+    every process makes the same calls."""
     results = [HintResult(None) for _ in requests]
-    for _ in range(1 + ctx.retries):
+    for attempt in range(1 + ctx.retries):
         todo = [i for i, r in enumerate(results) if r.text is None]
-        texts = ctx.generate([request_prompt(requests[i]) for i in todo], ctx.max_new_tokens)
+        temperature = ctx.temperature if attempt == 0 else ctx.retry_temperature
+        texts = ctx.generate([request_prompt(requests[i]) for i in todo], ctx.max_new_tokens, temperature)
         for i, raw in zip(todo, texts, strict=True):
             results[i].attempts += 1
             text = clean_hint(raw)
@@ -205,7 +210,8 @@ class TeacherHints(CachedHints):
             missing = [r for r in requests if (r.prompt_id, r.level) not in self.hints]
             if missing:  # the teacher is fixed, so its hints are cached
                 teacher_ctx = HintContext(generate=self._generate, max_new_tokens=self.max_new_tokens,
-                                          retries=ctx.retries)
+                                          retries=ctx.retries, temperature=ctx.temperature,
+                                          retry_temperature=ctx.retry_temperature)
                 for r, res in zip(missing, sample_hints(missing, teacher_ctx), strict=True):
                     if res.text is not None:
                         self.hints[(r.prompt_id, r.level)] = res.text
@@ -219,11 +225,11 @@ def _openai_generate(base_url: str, model: str | None) -> GenerateFn:
 
     url = base_url.rstrip("/") + "/chat/completions"
 
-    def generate(prompts, max_new_tokens):
+    def generate(prompts, max_new_tokens, temperature):
         out = []
         for messages in prompts:
             resp = httpx.post(url, json={"model": model or "default", "messages": messages,
-                                         "max_tokens": max_new_tokens, "temperature": 0.7}, timeout=120)
+                                         "max_tokens": max_new_tokens, "temperature": temperature}, timeout=120)
             resp.raise_for_status()
             out.append(resp.json()["choices"][0]["message"]["content"] or "")
         return out
@@ -237,9 +243,9 @@ def _local_model_generate(path: str) -> GenerateFn:
 
     model, tok = load_policy(path)
 
-    def generate(prompts, max_new_tokens):
+    def generate(prompts, max_new_tokens, temperature):
         texts = [render_prompt(tok, {"prompt": p}) for p in prompts]
-        return [c[0] for c in generate_hf(model, tok, texts, k=1, temperature=0.7, top_p=1.0,
+        return [c[0] for c in generate_hf(model, tok, texts, k=1, temperature=temperature, top_p=1.0,
                                           max_new_tokens=max_new_tokens)]
 
     return generate

@@ -38,6 +38,7 @@ class RunSpec(BaseModel):
     teacher_model: str | None = Field(None, description="model name sent to an OpenAI-compatible teacher endpoint")
     hint_max_tokens: int = Field(48, ge=4)
     hint_retries: int = Field(2, ge=0, description="extra hint samples when a hint leaks or is empty")
+    hint_temperature: float = Field(0.0, ge=0.0, description="first hint sample's temperature (0 = greedy)")
     light_min: float = Field(0.1, ge=0.0, le=1.0, description="SAGE-LIGHT: raise level when accuracy <= this")
     light_max: float = Field(0.35, ge=0.0, le=1.0, description="SAGE-LIGHT: lower level when accuracy > this")
     weighting: Weighting = Field("none", description="prompt weight w(p)=f'(p) applied to advantages")

@@ -97,6 +97,7 @@ def build_config(spec: RunSpec, output_dir: str | Path):
         sage_method=spec.method,
         hint_max_tokens=spec.hint_max_tokens,
         hint_retries=spec.hint_retries,
+        hint_temperature=spec.hint_temperature,
         light_min=spec.light_min,
         light_max=spec.light_max,
         sage_max_rounds=max(spec.max_rounds, 3),

@@ -39,6 +39,8 @@ class SageConfig(GRPOConfig):
     sage_method: str = field(default="sage", metadata={"help": "grpo | sage | sage-light | curation methods"})
     hint_max_tokens: int = field(default=48, metadata={"help": "max new tokens of one hint"})
     hint_retries: int = field(default=2, metadata={"help": "resamples of a hint that leaked or came back empty"})
+    hint_temperature: float = field(default=0.0, metadata={
+        "help": "temperature of a hint's first sample (0 = greedy, as the paper's code); resamples use 1.0"})
     light_min: float = field(default=0.1, metadata={"help": "SAGE-LIGHT: raise the level when accuracy <= this"})
     light_max: float = field(default=0.35, metadata={"help": "SAGE-LIGHT: lower the level when accuracy > this"})
     sage_max_rounds: int = field(default=4, metadata={"help": "hard cap on extra rollout rounds per step"})
@@ -286,30 +288,40 @@ class SageGRPOTrainer(GRPOTrainer):
         return self._rows[0]["prompt"] if self._rows else [{"role": "user", "content": "1"}]
 
     @contextmanager
-    def _max_new_tokens(self, n: int):
-        """Hints are short: cap generation length while writing them, on both back-ends."""
-        gen = self.vllm_generation if self.use_vllm else self.generation_config
-        attr = "max_completion_length" if self.use_vllm else "max_new_tokens"
-        old = getattr(gen, attr)
-        setattr(gen, attr, n)
+    def _hint_sampling(self, max_new_tokens: int, temperature: float):
+        """Hints are short and (by default) greedy: set length and temperature while writing them, on both
+        back-ends, and restore the rollout settings afterwards."""
+        if self.use_vllm:
+            gen, new = self.vllm_generation, {"max_completion_length": max_new_tokens, "temperature": temperature}
+        else:
+            gen = self.generation_config
+            new = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
+            if temperature > 0:
+                new["temperature"] = temperature
+        old = {k: getattr(gen, k) for k in new}
+        for k, v in new.items():
+            setattr(gen, k, v)
         try:
             yield
         finally:
-            setattr(gen, attr, old)
+            for k, v in old.items():
+                setattr(gen, k, v)
 
-    def _policy_generate(self, chats: list, max_new_tokens: int) -> list[str]:
-        with self._max_new_tokens(max_new_tokens):
+    def _policy_generate(self, chats: list, max_new_tokens: int, temperature: float) -> list[str]:
+        with self._hint_sampling(max_new_tokens, temperature):
             _, comp_ids, _, _ = self._roll(chats, kind="hint")
         return self.processing_class.batch_decode(comp_ids, skip_special_tokens=True) if comp_ids else []
 
     def _hint_context(self) -> HintContext:
         return HintContext(generate=self._policy_generate, max_new_tokens=self.args.hint_max_tokens,
-                           retries=self.args.hint_retries,
+                           retries=self.args.hint_retries, temperature=self.args.hint_temperature,
                            gather=lambda xs: gather_object(xs),
                            rank=self.accelerator.process_index, world=self.accelerator.num_processes)
 
     def _get_hints(self, asked: list[tuple[dict, int]]) -> dict[tuple[str, int], HintResult]:
-        """Hints for (row, level) pairs; called by every process each round, possibly with nothing to ask."""
+        """Hints for (row, level) pairs; called by every process each round, possibly with nothing to ask.
+        Only the asked levels are written. Writing SAGE's higher levels ahead (the paper's code writes all three in
+        one call) made each pass as long as its level-3 hint and cost more than it saved on tiny-cpu."""
         if not self.scheduler.uses_hints:
             return {}
         t0 = time.perf_counter()

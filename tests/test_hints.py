@@ -39,10 +39,11 @@ class ScriptedModel:
     """A stand-in policy that answers hint requests from a script, recording what it was asked."""
 
     def __init__(self, outputs):
-        self.outputs, self.calls = list(outputs), []
+        self.outputs, self.calls, self.temperatures = list(outputs), [], []
 
-    def __call__(self, prompts, max_new_tokens):
+    def __call__(self, prompts, max_new_tokens, temperature):
         self.calls.append((len(prompts), max_new_tokens))
+        self.temperatures.append(temperature)
         return [self.outputs.pop(0) for _ in prompts]
 
 
@@ -51,6 +52,7 @@ def test_online_hints_resample_leaks_and_record_them():
     ctx = HintContext(generate=model, max_new_tokens=16, retries=2)
     [res] = OnlineHints().get([req()], ctx)
     assert res.text == "7 + 5 = 12 . Then 12 - 3 ." and res.leaked and res.attempts == 3
+    assert model.temperatures == [0.0, 1.0, 1.0]  # greedy first (the paper's hints), then resampled
     # the same number of generate calls whatever happens (processes stay in step), later ones empty
     ctx2 = HintContext(generate=ScriptedModel(["Use + then - ."]), retries=2)
     sample_hints([req(level=1)], ctx2)

@@ -95,6 +95,29 @@ def test_online_self_hints_are_written_by_the_policy_and_guarded(tiny_model_dir,
                 assert not leaks(r[f"hint_l{lv}"], r.answer)
 
 
+def test_online_hints_are_greedy_and_rollouts_keep_their_sampling(tiny_model_dir, tmp_path):
+    spec = small("sage", difficulty="hard", max_steps=1)
+    trainer = build_trainer(spec, tmp_path)
+    seen, original = [], trainer._roll
+
+    def spy(prompts, kind="reroll"):  # the sampling settings in force at each generate call
+        gc = trainer.generation_config
+        seen.append((kind, len(prompts), gc.do_sample, gc.temperature, gc.max_new_tokens))
+        return original(prompts, kind)
+
+    trainer._roll = spy
+    trainer.train()
+    hint_calls = [c for c in seen if c[0] == "hint" and c[1]]
+    rerolls = [c for c in seen if c[0] == "reroll" and c[1]]
+    assert hint_calls and rerolls
+    first = hint_calls[0]
+    assert first[2] is False and first[4] == spec.hint_max_tokens  # greedy hints, at hint length
+    assert all(c[2] is True and c[3] == spec.temperature and c[4] == spec.max_completion_length for c in rerolls)
+    gc = trainer.generation_config  # restored after the hint passes
+    assert gc.do_sample is True and gc.temperature == spec.temperature
+    assert gc.max_new_tokens == spec.max_completion_length
+
+
 def test_teacher_hints_never_contain_the_answer(sage_hard):
     from sage_core.hints import leaks
 
