@@ -13,6 +13,8 @@ and a lower never-solved fraction with SAGE than with GRPO.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -33,7 +35,7 @@ def run_once(preset_name: str, steps: int, method: str, overrides: dict) -> dict
     from sage_core.train import train
 
     spec = preset(preset_name, method=method, max_steps=steps, **overrides)
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):  # per-step log lines
         res = train(spec, Path(out), resume=False)
     runtime = next(h["train_runtime"] for h in res.log_history if "train_runtime" in h)
     return dict(method=method, seconds=runtime, rollouts=res.summary["rollouts"],

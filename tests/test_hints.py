@@ -101,3 +101,28 @@ def test_bad_hints_file_names_the_row(tmp_path):
         read_hints(path)
     with pytest.raises(FileNotFoundError):
         TeacherHints(str(tmp_path / "nope.jsonl"))
+
+
+def test_local_model_teacher_writes_greedy_guarded_cached_hints(tiny_model_dir):
+    """A teacher given as a local model path: the tiny model writes the hints (greedy first, so two teachers agree),
+    the leak guard applies, and a hint once written is not asked for again."""
+    from sage_core.data import synthetic_rows
+
+    rows = synthetic_rows(6, seed=3, difficulty="hard")
+    reqs = [HintRequest(r["prompt_id"], r["problem"], r["solution"], r["answer"], lvl) for r in rows for lvl in (1, 3)]
+    ctx = HintContext(generate=ScriptedModel([]), retries=1)  # the policy is never asked: the teacher writes
+    teacher = TeacherHints(str(tiny_model_dir), max_new_tokens=48)
+    calls = []
+    gen = teacher._generate
+    teacher._generate = lambda prompts, n, t: calls.append((len(prompts), t)) or gen(prompts, n, t)
+    first = teacher.get(reqs, ctx)
+    assert calls[0] == (len(reqs), 0.0) and all(t == 1.0 for _, t in calls[1:])
+    written = [(q, r) for q, r in zip(reqs, first, strict=True) if r.text]
+    assert len(written) >= len(reqs) // 2  # the warm-started model writes most hints
+    assert all(not leaks(r.text, q.answer) for q, r in written)
+    assert any(r.text != q.solution for q, r in written)  # hints, not the solution copied back
+    n_calls = len(calls)
+    assert [r.text for r in teacher.get(reqs, ctx)] == [r.text for r in first] and len(calls) == n_calls
+    other = TeacherHints(str(tiny_model_dir), max_new_tokens=48)  # greedy: a second teacher writes the same hints
+    again = other.get([q for q, _ in written], ctx)
+    assert sum(a.text == r.text for a, (_, r) in zip(again, written, strict=True)) >= len(written) - 1
