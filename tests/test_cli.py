@@ -118,13 +118,14 @@ def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
         return FakeResult(output_dir, output_dir / "checkpoint", output_dir / "tracker", spec.max_steps, 1.5,
                           {"reward": 0.25})
 
-    monkeypatch.setitem(sys.modules, "sage_core.train", types.SimpleNamespace(train=fake_train))
+    fake = types.SimpleNamespace(train=fake_train, shutdown_distributed=lambda: calls.update(shutdown=True))
+    monkeypatch.setitem(sys.modules, "sage_core.train", fake)
     rc, out, _ = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", "max_steps=2", "--set", "method=grpo",
                          "--output-dir", str(tmp_path / "run"), "--no-resume")
     assert rc == 0
     assert calls["spec"].max_steps == 2 and calls["spec"].method == "grpo"
     assert calls["output_dir"] == (tmp_path / "run").resolve() and calls["resume"] is False
-    assert calls["callbacks"] == []
+    assert calls["callbacks"] == [] and calls["shutdown"]  # a multi-process run ends its process group
     saved = json.loads((tmp_path / "run" / "train_result.json").read_text())
     assert saved["global_step"] == 2 and saved["summary"] == {"reward": 0.25}
     assert saved["checkpoint_dir"].endswith("checkpoint")
