@@ -83,22 +83,22 @@ def test_comparison_table_and_report_card():
     rows = [
         dict(variant="grpo", method="grpo", hint_source="none", k=2, avg_at_k_before=0.2, avg_at_k_after=0.3,
              pass_at_k_after=0.5, never_solved=0.4, never_solved_no_hint=0.4, frac_collapsed=0.6, rollouts=64.0,
-             rescued=0.0, wall_seconds=10.0, global_step=2, status="FINISHED", run_id="a"),
+             rescued=0.0, wall_seconds=10.0, train_seconds=8.0, global_step=2, status="FINISHED", run_id="a"),
         dict(variant="sage-online", method="sage", hint_source="online", k=2, avg_at_k_before=0.2,
              avg_at_k_after=0.4, pass_at_k_after=0.625, never_solved=0.1, never_solved_no_hint=0.3,
-             frac_collapsed=0.5, rollouts=96.0, rescued=3.0, wall_seconds=25.0, global_step=2, status="FINISHED",
-             run_id="b", extra="ignored"),
+             frac_collapsed=0.5, rollouts=96.0, rescued=3.0, wall_seconds=25.0, train_seconds=20.0, global_step=2,
+             status="FINISHED", run_id="b", extra="ignored"),
         dict(variant="sage-fixed", method="sage", hint_source="fixed", status="FAILED"),
     ]
     df = comparison_table(rows)
     assert list(df.columns) == COMPARISON_COLUMNS and list(df["variant"]) == ["grpo", "sage-online", "sage-fixed"]
-    assert df.loc[1, "wall_vs_grpo"] == 2.5 and df.loc[0, "wall_vs_grpo"] == 1.0
+    assert df.loc[1, "train_vs_grpo"] == 2.5 and df.loc[0, "train_vs_grpo"] == 1.0  # the loop's time, not wall
     assert math.isclose(df.loc[1, "delta_avg_at_k"], 0.2)
     assert math.isnan(df.loc[2, "avg_at_k_after"]) and df.loc[2, "status"] == "FAILED"
     card = report_card(df, "t")
     assert "k=2" in card and "| sage-online | 0.200 | 0.400 | 0.625 |" in card
     # no GRPO row: the ratio is undefined, not an error
-    assert comparison_table(rows[1:2])["wall_vs_grpo"].isna().all()
+    assert comparison_table(rows[1:2])["train_vs_grpo"].isna().all()
 
 
 def test_slug_and_run_dir(tmp_path, monkeypatch):
@@ -196,7 +196,8 @@ def test_hint_study_children_table_and_rerun(prefect_harness, store):
     df = pd.read_parquet(c.download_artifacts(parent.info.run_id, "study/comparison.parquet", str(store)))
     assert list(df["variant"]) == methods and list(df.columns) == COMPARISON_COLUMNS
     assert df["avg_at_k_before"].notna().all() and df["avg_at_k_after"].notna().all()
-    assert df.loc[df["variant"] == "grpo", "wall_vs_grpo"].iloc[0] == 1.0
+    assert df.loc[df["variant"] == "grpo", "train_vs_grpo"].iloc[0] == 1.0
+    assert (df["train_seconds"] > 0).all() and (df["train_seconds"] < df["wall_seconds"]).all()
 
     with get_client(sync_client=True) as pc:
         arts = pc.read_artifacts()
