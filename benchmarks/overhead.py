@@ -6,8 +6,9 @@ Every method trains from the same warm-started tiny model on the same prompts wi
 prints training time (model loading excluded) as a ratio to GRPO, rollouts spent, and the fraction of prompts that
 never got a correct rollout. Runs of a few seconds are noisy on a shared machine, so each repeat runs every method
 once (in a rotated order), each method's ratio is taken against the GRPO run of the same repeat, and the table
-shows the median ratio with its range. A one-step warm-up of every method comes first and is not timed. Targets (issue 2): SAGE-LIGHT <= 1.15x GRPO, SAGE <= 1.8x (paper: 1.2x and 2.3x),
-and a lower never-solved fraction with SAGE than with GRPO.
+shows the median ratio with its range. A one-step warm-up of every method comes first and is not timed.
+Targets (issue 2): SAGE-LIGHT <= 1.15x GRPO, SAGE <= 1.8x (paper: 1.2x and 2.3x), and a lower never-solved
+fraction with SAGE than with GRPO.
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ def run_once(preset_name: str, steps: int, method: str, overrides: dict) -> dict
     spec = preset(preset_name, method=method, max_steps=steps, **overrides)
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):  # per-step log lines
         res = train(spec, Path(out), resume=False)
-    runtime = next(h["train_runtime"] for h in res.log_history if "train_runtime" in h)
-    return dict(method=method, seconds=runtime, rollouts=res.summary["rollouts"],
+    return dict(method=method, seconds=res.summary["train_seconds"], rollouts=res.summary["rollouts"],
                 never_solved=res.summary["never_solved"], never_solved_no_hint=res.summary["never_solved_no_hint"],
                 collapsed=res.summary["frac_collapsed"], rescued=res.summary["rescued"])
 
@@ -66,8 +66,8 @@ def run(preset_name: str, steps: int, methods: list[str], overrides: dict, repea
 
 
 def report(rows: list[dict]) -> str:
-    head = f"{'method':<20}{'train s':>9}{'x GRPO':>8}{'range':>12}{'target':>10}{'rollouts':>10}{'never solved':>14}" \
-           f"{'(no hint)':>11}{'collapsed':>11}{'rescued':>9}"
+    head = f"{'method':<20}{'train s':>9}{'x GRPO':>8}{'range':>12}{'target':>10}{'rollouts':>10}" \
+           f"{'never solved':>14}{'(no hint)':>11}{'collapsed':>11}{'rescued':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         target = TARGETS.get(r["method"])

@@ -230,14 +230,17 @@ class _Pool:
         finally:
             self.idle.put(worker if worker is not None and worker.alive else None)
 
-    def warm(self) -> None:
-        """Start every idle slot's worker now, in parallel (each imports sympy and math-verify, ~2 s)."""
+    def _drain(self) -> list[_Worker | None]:
         slots = []
         while True:
             try:
                 slots.append(self.idle.get_nowait())
             except queue.Empty:
-                break
+                return slots
+
+    def warm(self) -> None:
+        """Start every idle slot's worker now, in parallel (each imports sympy and math-verify, ~2 s)."""
+        slots = self._drain()
 
         def start(w):
             try:
@@ -251,11 +254,7 @@ class _Pool:
                 self.idle.put(w)
 
     def close(self) -> None:
-        while True:
-            try:
-                w = self.idle.get_nowait()
-            except queue.Empty:
-                break
+        for w in self._drain():
             if w is not None:
                 w.kill()
 
