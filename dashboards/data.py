@@ -557,7 +557,8 @@ class Context:
 
     def label(self, run_id: str) -> str:
         r = self.run(run_id)
-        parts = [r["run_name"], r["method"] + (f"/{r['hint_source']}" if r["hint_source"] else "")]
+        what = "study" if r["kind"] == "study" else r["method"] + (f"/{r['hint_source']}" if r["hint_source"] else "")
+        parts = [r["run_name"], what]  # a study's method tags are its base spec's, not what it ran
         return " · ".join(p for p in parts if p) + f" ({run_id[:8]})"
 
 

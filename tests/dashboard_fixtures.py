@@ -227,8 +227,10 @@ def build_store(root: Path, experiment: str = "sage") -> dict:
     out["grpo"] = log_run(client, exp_id, name="grpo-tiny", method="grpo", seed=1, eval_after=0.36)
     out["sage"] = log_run(client, exp_id, name="sage-tiny", method="sage", seed=2, steps=8, n_prompts=16,
                           per_step=10, eval_after=0.46)
+    # tagged as flows/study_flow.py tags it: the kind, and the base spec's method and hint source
     parent = client.create_run(exp_id, run_name="hint-study", tags={"sage.kind": "study", "sage.model": "tiny",
-                                                                    "sage.method": "study"}).info.run_id
+                                                                    "sage.method": "sage",
+                                                                    "sage.hint_source": "online"}).info.run_id
     children = []
     for i, (method, source, acc) in enumerate(VARIANTS):
         children.append(log_run(client, exp_id, name=f"study-{method}-{source}", method=method, hint_source=source,
