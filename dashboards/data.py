@@ -157,13 +157,15 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
     for r in found:
         t, p = r.data.tags, r.data.params
         ng = p.get("sage.num_generations")
+        study = t.get("sage.kind") == "study"  # its method tags are its base spec's; its variants are its children
         rows.append({
             "run_id": r.info.run_id, "run_name": r.info.run_name or t.get("mlflow.runName", r.info.run_id[:8]),
             "experiment_id": r.info.experiment_id, "status": r.info.status,
             "start_time": pd.to_datetime(r.info.start_time, unit="ms", utc=True) if r.info.start_time else pd.NaT,
             "end_time": pd.to_datetime(r.info.end_time, unit="ms", utc=True) if r.info.end_time else pd.NaT,
-            "kind": t.get("sage.kind", ""), "method": t.get("sage.method", p.get("sage.method", "")),
-            "hint_source": t.get("sage.hint_source", p.get("sage.hint_source", "")),
+            "kind": t.get("sage.kind", ""),
+            "method": "study" if study else t.get("sage.method", p.get("sage.method", "")),
+            "hint_source": "" if study else t.get("sage.hint_source", p.get("sage.hint_source", "")),
             "model": t.get("sage.model", p.get("sage.model", "")), "parent_run_id": t.get("mlflow.parentRunId", ""),
             "artifact_uri": r.info.artifact_uri, "num_generations": int(ng) if ng and str(ng).isdigit() else None,
             "params": dict(p), "metrics": dict(r.data.metrics),
@@ -557,8 +559,7 @@ class Context:
 
     def label(self, run_id: str) -> str:
         r = self.run(run_id)
-        what = "study" if r["kind"] == "study" else r["method"] + (f"/{r['hint_source']}" if r["hint_source"] else "")
-        parts = [r["run_name"], what]  # a study's method tags are its base spec's, not what it ran
+        parts = [r["run_name"], r["method"] + (f"/{r['hint_source']}" if r["hint_source"] else "")]
         return " · ".join(p for p in parts if p) + f" ({run_id[:8]})"
 
 

@@ -300,6 +300,7 @@ def test_variants_page_compares_the_study(monkeypatch, dashboard_store):
     at = _ok(_app(monkeypatch, s["uri"]).run())
     _ok(at.switch_page(PAGES["variants"]).run())
     assert at.selectbox(key="variants_study").value == s["study"]["run_id"]
+    # the study is tagged with its base spec's method (as the flow does); it reads as a study, not as that method
     assert at.selectbox(key="variants_study").options == [f"hint-study · study ({s['study']['run_id'][:8]})"]
     comp = _frame(at, "avg_at_k_after")
     assert list(comp["variant"]) == list(s["study"]["comparison"]["variant"])
