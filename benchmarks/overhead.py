@@ -46,7 +46,7 @@ def run_once(preset_name: str, steps: int, method: str, overrides: dict) -> dict
 def run(preset_name: str, steps: int, methods: list[str], overrides: dict, repeats: int = 1) -> list[dict]:
     """`repeats` rounds of every method (order rotated each round); per method: the median time, the median of
     the per-round ratios to GRPO and their range, and the first round's training outcomes (same seed each round)."""
-    for method in methods:  # warm-up, not timed: imports, the reward worker pool, first-call allocations
+    for method in methods:  # warm-up, not timed: imports, first calls and allocations
         run_once(preset_name, 1, method, overrides)
     rounds = []
     for k in range(repeats):

@@ -24,7 +24,6 @@ import select
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -230,31 +229,12 @@ class _Pool:
         finally:
             self.idle.put(worker if worker is not None and worker.alive else None)
 
-    def _drain(self) -> list[_Worker | None]:
-        slots = []
+    def close(self) -> None:
         while True:
             try:
-                slots.append(self.idle.get_nowait())
+                w = self.idle.get_nowait()
             except queue.Empty:
-                return slots
-
-    def warm(self) -> None:
-        """Start every idle slot's worker now, in parallel (each imports sympy and math-verify, ~2 s)."""
-        slots = self._drain()
-
-        def start(w):
-            try:
-                return w if w is not None and w.alive else _Worker()
-            except Exception as e:  # a worker that cannot start now is started lazily later, as before
-                logger.warning("reward: worker did not start (%s)", e)
-                return None
-
-        with ThreadPoolExecutor(max(1, len(slots))) as ex:
-            for w in ex.map(start, slots):
-                self.idle.put(w)
-
-    def close(self) -> None:
-        for w in self._drain():
+                break
             if w is not None:
                 w.kill()
 
@@ -270,12 +250,6 @@ def _get_pool() -> _Pool:
             _pool = _Pool(N_WORKERS)
             atexit.register(_pool.close)
         return _pool
-
-
-def warm_pool() -> None:
-    """Start the verifier workers before a timed training loop, so their start-up is not charged to its first
-    steps (and, in a study, to whichever method happens to run first)."""
-    _get_pool().warm()
 
 
 def _verify_in_process(pred: str, gold: str) -> float:

@@ -149,8 +149,6 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     step, and the scheduler/tracker state replayed from the tracker files)."""
     from transformers import set_seed
 
-    from .reward import warm_pool
-
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "spec.json").write_text(spec.model_dump_json(indent=2))
@@ -162,7 +160,6 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
         step = int(ckpt.name.split("-")[1])
         replayed = trainer.restore_state(step)
         log.info("resuming %s from %s (%d tracker records replayed)", output_dir, ckpt.name, replayed)
-    warm_pool()  # the verifier workers' start-up stays out of the timed training loop
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     final = output_dir / "final"
     trainer.save_model(str(final))

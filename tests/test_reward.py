@@ -160,25 +160,3 @@ def test_fast_path_decides_numbers_without_the_pool():
     assert reward.fast_score("8", "9") == 0.0
     assert reward.fast_score("x+1", "1+x") is None
 
-
-def _live_worker_pids(pool) -> set[int]:
-    """The pids of the pool's workers, every slot checked out and put back (None for a slot with no live worker)."""
-    slots = [pool.idle.get() for _ in range(pool.size)]
-    try:
-        return {w.proc.pid if w is not None and w.alive else None for w in slots}
-    finally:
-        for w in slots:
-            pool.idle.put(w)
-
-
-def test_warm_pool_starts_every_worker_ahead_and_they_score():
-    """warm_pool (called by train before the timed loop) leaves a live worker in every slot, so the first symbolic
-    answers of a run are scored without a worker start-up."""
-    reward.warm_pool()
-    pool = reward._get_pool()
-    pids = _live_worker_pids(pool)
-    assert None not in pids and len(pids) == pool.size
-    reward.warm_pool()  # idempotent: live workers are kept, none restarted
-    assert _live_worker_pids(pool) == pids
-    assert score("\\boxed{(x+1)^2}", "x^2+2x+1") == 1.0  # scored by a warmed worker: none was started for it
-    assert _live_worker_pids(pool) == pids
