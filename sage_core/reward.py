@@ -229,6 +229,18 @@ class _Pool:
         finally:
             self.idle.put(worker if worker is not None and worker.alive else None)
 
+    def warm(self) -> None:
+        """Start one idle slot's worker (blocks while it imports sympy and math-verify, about a second)."""
+        worker = self.idle.get()
+        try:
+            if worker is None or not worker.alive:
+                worker = _Worker()
+        except Exception as e:  # started lazily on first use instead, as before
+            logger.warning("reward: worker did not start (%s)", e)
+            worker = None
+        finally:
+            self.idle.put(worker)
+
     def close(self) -> None:
         while True:
             try:
@@ -250,6 +262,15 @@ def _get_pool() -> _Pool:
             _pool = _Pool(N_WORKERS)
             atexit.register(_pool.close)
         return _pool
+
+
+def warm_pool_in_background() -> threading.Thread:
+    """Start a verifier worker in a background thread. The fast path decides most answers, but a run meets an odd
+    one sooner or later (e.g. `\\boxed{15Then}` from the tiny policy under a hint), and a worker started on demand
+    stalls that step for its imports (~1 s, a tenth of a small run); started here it overlaps model loading."""
+    t = threading.Thread(target=lambda: _get_pool().warm(), name="sage-reward-warm", daemon=True)
+    t.start()
+    return t
 
 
 def _verify_in_process(pred: str, gold: str) -> float:

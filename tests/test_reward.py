@@ -160,3 +160,21 @@ def test_fast_path_decides_numbers_without_the_pool():
     assert reward.fast_score("8", "9") == 0.0
     assert reward.fast_score("x+1", "1+x") is None
 
+
+
+def test_pool_warms_in_the_background_and_the_first_odd_answer_reuses_that_worker(monkeypatch):
+    monkeypatch.setattr(reward, "_pool", reward._Pool(1))
+    started = []
+    real_worker = reward._Worker
+
+    def counting_worker():
+        started.append(1)
+        return real_worker()
+
+    monkeypatch.setattr(reward, "_Worker", counting_worker)
+    reward.warm_pool_in_background().join(timeout=120)
+    assert started == [1]
+    assert reward.score("\\boxed{15Then}", "16") == 0.0  # not decided by the fast path: math-verify says 0
+    assert reward.score("\\boxed{x+1}", "1+x") == 1.0
+    assert started == [1]  # both answers went to the worker started in the background
+    reward._pool.close()
