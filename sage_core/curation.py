@@ -424,6 +424,10 @@ class AdaEst(_Pooled):
             return None
         return Action(level, "extend")
 
+    def lookahead(self, pid: str, tries: Tries, action: Action) -> list[Action]:
+        # the rounds were allocated from the pilot alone, with no stopping: every one of them will be asked for
+        return [action] * max(min(self._alloc.get(pid, 0), self.max_rounds) - len(tries) - 1, 0)
+
     def finalize(self, pid: str, tries: Tries) -> Selection:
         self._alloc.pop(pid, None)
         self._c_step = None  # the step is over: the next one refits c on the pilots seen so far
@@ -491,6 +495,9 @@ class Weighted(Scheduler):
 
     def next_action(self, pid: str, tries: Tries) -> Action | None:
         return self.inner.next_action(pid, tries)
+
+    def lookahead(self, pid: str, tries: Tries, action: Action) -> list[Action]:
+        return self.inner.lookahead(pid, tries, action)
 
     def finalize(self, pid: str, tries: Tries) -> Selection:
         sel = self.inner.finalize(pid, tries)

@@ -3,6 +3,8 @@
 The trainer asks three questions, always about a prompt id (never a batch position):
   level_before(pid)            -> the level of the first rollout of this step (SAGE-LIGHT: the tracked level)
   next_action(pid, tries)      -> after the rollouts so far, roll again (Action) or stop (None)
+  lookahead(pid, tries, action) -> the actions that would follow `action` if its rollouts fail too (optional): the
+                               trainer may roll them in the same pass and keeps only those next_action then asks for
   finalize(pid, tries)         -> which rolled rows form the trained group (and a weight on its advantages)
   observe(pid, level, rewards, pilot) -> bookkeeping once the step's final group is known (`pilot`: the first
                                try's rewards, at level_before; every process observes every group)
@@ -59,6 +61,12 @@ class Scheduler:
     def next_action(self, pid: str, tries: Tries) -> Action | None:
         return None
 
+    def lookahead(self, pid: str, tries: Tries, action: Action) -> list[Action]:
+        """Actions next_action would ask for after `action` if its rollouts and each following one fail: a guess the
+        trainer may roll ahead in one pass. Wrong guesses cost rollouts, never correctness: the trainer replays
+        next_action over the rolled tries and drops the ones it does not ask for."""
+        return []
+
     def finalize(self, pid: str, tries: Tries) -> Selection:
         """Default: train on the last try whose group is mixed, else on the first try (no hint for sage)."""
         chosen = next((i for i in range(len(tries) - 1, -1, -1) if tries[i][1] and not collapsed(tries[i][1])), 0)
@@ -87,6 +95,9 @@ class SAGE(Scheduler):
         if any(r > 0 for r in rewards) or level >= MAX_LEVEL:  # a success (or out of levels): stop searching
             return None
         return Action(level + 1)
+
+    def lookahead(self, pid: str, tries: Tries, action: Action) -> list[Action]:
+        return [Action(lvl) for lvl in range(action.level + 1, MAX_LEVEL + 1)]
 
 
 class SAGELight(Scheduler):

@@ -43,6 +43,10 @@ class RunSpec(BaseModel):
     light_max: float = Field(0.35, ge=0.0, le=1.0, description="SAGE-LIGHT: lower level when accuracy > this")
     weighting: Weighting = Field("none", description="prompt weight w(p)=f'(p) applied to advantages")
     max_rounds: int = Field(4, ge=1, description="dapo-filter / ada-seq: sampling rounds cap")
+    lookahead: bool = Field(False, description="roll the search's next levels (and ada-est's allotted rounds) in "
+                                               "the same pass when it stays no wider than the first rollout: fewer "
+                                               "sequential passes for some unasked rollouts (counted as spent). Off: "
+                                               "on CPU rows cost as much as passes (SAGE +13% time, 8% more rows)")
     rollout_budget: int | None = Field(None, ge=1, description="stop once this many completions were rolled out "
                                                                "(compare methods on equal sampling cost)")
 
@@ -52,6 +56,8 @@ class RunSpec(BaseModel):
     max_steps: int = Field(20, ge=1, description="rollout batches (generation steps)")
     updates_per_generation: int = Field(1, ge=1, description="optimizer steps per rollout batch (paper: 2)")
     micro_batch_size: int | None = Field(None, ge=1, description="rows per forward/backward; None: all at once")
+    length_buckets: bool = Field(True, description="forward the loss on length buckets of a micro-batch, each "
+                                                    "trimmed of shared padding (same loss, fewer padded tokens)")
     learning_rate: float = Field(1e-4, gt=0.0)
     max_prompt_length: int | None = Field(None, description="longest prompt incl. hint (sizes vLLM's context)")
     max_completion_length: int = Field(40, ge=1)

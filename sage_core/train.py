@@ -101,6 +101,8 @@ def build_config(spec: RunSpec, output_dir: str | Path):
         light_min=spec.light_min,
         light_max=spec.light_max,
         sage_max_rounds=max(spec.max_rounds, 3),
+        sage_lookahead=spec.lookahead,
+        sage_length_buckets=spec.length_buckets,
     )
 
 
@@ -120,11 +122,12 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
     from .data import build_dataset
     from .hints import make_hint_source
     from .models import load_policy
-    from .reward import boxed_reward
+    from .reward import boxed_reward, warm_pool_in_background
     from .schedulers import make_scheduler
     from .trainer import SageGRPOTrainer
 
     args = build_config(spec, output_dir)
+    warm_pool_in_background()
     model, tokenizer = load_policy(spec.model, spec.gguf_file)
     dataset = build_dataset(spec)
     scheduler = make_scheduler(spec.method, light_min=spec.light_min, light_max=spec.light_max,
@@ -201,6 +204,9 @@ def summarize(history: list[dict], tracker) -> dict[str, float]:
         "frac_rescued": mean("sage/frac_rescued"),
         "rescued": sum(h.get("sage/rescued_groups", 0) or 0 for h in steps),
         "rollouts": sum(h.get("sage/rollouts", 0) or 0 for h in steps),
+        # work done, machine-independent: completion tokens generated (rollouts, re-rolls, hints) and tokens trained
+        "gen_tokens": sum(h.get("sage/gen_tokens", 0) or 0 for h in steps),
+        "train_tokens": sum(h.get("sage/train_tokens", 0) or 0 for h in steps),
         "reward": mean("reward"),
         "step_time": mean("step_time"),
         # the training loop alone (no model loading, no saving): what method-to-method cost ratios compare

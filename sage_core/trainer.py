@@ -5,6 +5,8 @@ Per training step, for every prompt x of the batch (a group of G rows sharing on
   2. score them with the verifier (the reward never changes)
   3. while scheduler.next_action(x, tries) asks for it: get h = hint(x, level), re-roll G completions of
      pi(.|x,h) for that group only, and score them (SAGE: levels 1, 2, 3 until a success)
+     (optionally, when a round holds few groups, the levels after it are rolled in the same pass; a try is kept
+     only if next_action, seeing the tries before it, asks for it, so the search and its result are sequential)
   4. scheduler.finalize picks the G rows trained on; their prompt ids are the hinted ones, so the loss is
      on-policy in (x,h); the group's advantages get the selection's weight
 Collectives (generation under ZeRO-3, vLLM server mode, reward gathering) see the same calls on every process:
@@ -26,6 +28,7 @@ from trl.data_utils import is_conversational
 
 from . import gate
 from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints
+from .packing import length_buckets
 from .prompts import LEVELS, hinted_problem
 from .reward import completion_text
 from .schedulers import Action, Scheduler, make_scheduler
@@ -44,6 +47,13 @@ class SageConfig(GRPOConfig):
     light_min: float = field(default=0.1, metadata={"help": "SAGE-LIGHT: raise the level when accuracy <= this"})
     light_max: float = field(default=0.35, metadata={"help": "SAGE-LIGHT: lower the level when accuracy > this"})
     sage_max_rounds: int = field(default=4, metadata={"help": "hard cap on extra rollout rounds per step"})
+    sage_lookahead: bool = field(default=False, metadata={
+        "help": "roll the scheduler's next actions (SAGE: higher levels) in the same pass when it stays no wider "
+                "than the first rollout; the search result is unchanged, unasked rollouts are counted as spent"})
+    sage_length_buckets: bool = field(default=True, metadata={
+        "help": "run the loss's forward on buckets of rows of similar length, each trimmed of shared padding"})
+    sage_bucket_overhead: int = field(default=256, metadata={
+        "help": "a forward's fixed cost in token slots: a bucket is split off only when it saves more padding"})
     tracker_dir: str | None = field(default=None, metadata={"help": "per-prompt Parquet files (output_dir/tracker)"})
 
     def __post_init__(self):
@@ -110,6 +120,36 @@ class SageGRPOTrainer(GRPOTrainer):
             return gather(rpf.to(self.accelerator.device))
         return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's forward, on buckets of rows of similar length, each trimmed of the padding all its rows share
+        (sage_core.packing); the log-probs and entropies come back in row order, in the same (B, C) shape."""
+        plain = (not self.args.sage_length_buckets or compute_aux_loss or input_ids.size(0) < 2
+                 or any(v is not None for v in multimodal.values()))
+        if plain:
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              batch_size, compute_entropy, compute_aux_loss,
+                                                              **multimodal)
+        C = logits_to_keep
+        P = input_ids.size(1) - C
+        cols = torch.arange(1, max(P, C) + 1, device=input_ids.device)
+        prompt_w = (attention_mask[:, :P].flip(1) * cols[:P]).amax(1) if P else torch.zeros_like(input_ids[:, 0])
+        comp_w = (attention_mask[:, P:] * cols[:C]).amax(1)
+        buckets = length_buckets(prompt_w.tolist(), comp_w.tolist(), self.args.sage_bucket_overhead)
+        if batch_size:  # TRL's memory cap on rows per forward still holds
+            buckets = [b[i:i + batch_size] for b in buckets for i in range(0, len(b), batch_size)]
+        logps, entropies = [], []
+        for rows in buckets:
+            idx = torch.tensor(rows, device=input_ids.device)
+            pw, cw = int(prompt_w[idx].max()), max(int(comp_w[idx].max()), 1)
+            lp, ent, _ = super()._get_per_token_logps_and_entropies(
+                model, input_ids[idx, P - pw:P + cw], attention_mask[idx, P - pw:P + cw], cw, None, compute_entropy)
+            logps.append(nn.functional.pad(lp, (0, C - cw)))
+            if compute_entropy:
+                entropies.append(nn.functional.pad(ent, (0, C - cw)))
+        back = torch.argsort(torch.tensor([r for b in buckets for r in b], device=input_ids.device))
+        return (torch.cat(logps)[back], torch.cat(entropies)[back] if compute_entropy else None, None)
+
     def _generate(self, prompts):
         if self._rows is None:
             return super()._generate(prompts)
@@ -118,7 +158,7 @@ class SageGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------ the step
     def _sage_generate(self, prompts, rows):
         G, t_start, m = self.num_generations, time.perf_counter(), self._metrics["train"]
-        self._hint_seconds, self._counts = 0.0, defaultdict(float)
+        self._hint_seconds, self._counts, self._unasked = 0.0, defaultdict(float), defaultdict(int)
         groups = _groups_by_prompt_id(rows, G)
         if not self._hints_prepared:
             self._prepare_hints()
@@ -136,6 +176,7 @@ class SageGRPOTrainer(GRPOTrainer):
             first_prompts += [self._prompt(rows[i], text) for i in idx]
         out = super()._generate(first_prompts)
         prompt_ids, completion_ids, _, completions, logprobs, extra, images, tool_images = out
+        self._counts["gen_tokens"] += sum(len(c) for c in completion_ids)
         rpf = self._score(rows, first_prompts, completions, completion_ids)
         tries: dict[str, list[Try]] = {}
         for pid, idx in groups:
@@ -147,26 +188,32 @@ class SageGRPOTrainer(GRPOTrainer):
         for (pid, lvl), res in hints.items():
             _log_hint(hint_log[pid], lvl, res)
 
-        # 3. further rounds, only for the groups the scheduler asks about
+        # 3. further rounds, only for the groups the scheduler asks about (with what it would ask next, if cheap)
         for _ in range(self.args.sage_max_rounds):
-            actions = {}
+            chains = {}
             for pid, _ in groups:
-                if (a := self.scheduler.next_action(pid, [(t.level, t.rewards) for t in tries[pid]])) is not None:
-                    actions[pid] = a
-            if sum(gather_object([len(actions)])) == 0:
+                if (a := self.scheduler.next_action(pid, _seen(tries[pid]))) is not None:
+                    chains[pid] = [a]
+            if sum(gather_object([len(chains)])) == 0:
                 break
-            self._reroll(actions, tries, hint_log)
+            if self.args.sage_lookahead:
+                self._look_ahead(chains, tries, width=len(rows))
+            self._reroll(chains, tries, hint_log)
 
         # 4. the trained group of each prompt
         new_ids, new_comp, new_completions, new_lp, weights, final_rpf = self._finalize(groups, tries, rows)
         self._final_rpf = final_rpf
+        self._counts["train_tokens"] += sum(len(p) + len(c) for p, c in zip(new_ids, new_comp, strict=True))
         self._row_weights = weights if bool((weights != 1).any()) else None
         self._record(groups, tries, hint_log, rows)
         # wall time is the slowest process's; scheduler statistics are averaged over processes
         gen_s, hint_s = zip(*gather_object([(time.perf_counter() - t_start - self._hint_seconds, self._hint_seconds)]))
         m["sage/gen_seconds"].append(max(gen_s))
         m["sage/hint_seconds"].append(max(hint_s))
-        for key in ("reroll_groups", "reroll_rows", "hint_rows"):  # this process's counts; summed over processes
+        # this process's counts, summed over processes
+        # (TRL's own num_tokens and completions/* metrics describe the step's first rollout, not the trained rows)
+        for key in ("reroll_groups", "reroll_rows", "hint_rows", "lookahead_unasked_rows", "gen_tokens",
+                    "train_tokens"):
             m[f"sage/{key}"].append(float(sum(gather_object([self._counts[key]]))))
         stats = gather_object([self.scheduler.metrics() if hasattr(self.scheduler, "metrics") else {}])
         for k in stats[0]:
@@ -178,41 +225,69 @@ class SageGRPOTrainer(GRPOTrainer):
         rewards = (rpf * self.reward_weights.to(rpf.device)).nansum(dim=1).tolist()
         return Try(level, hint, rows, prompt_ids, completion_ids, completions, logprobs, rpf, rewards)
 
-    def _reroll(self, actions: dict[str, Action], tries: dict[str, list[Try]], hint_log) -> None:
-        """One more round of G rollouts for each group in `actions` (every process calls this together)."""
+    def _look_ahead(self, chains: dict[str, list[Action]], tries: dict[str, list[Try]], width: int) -> None:
+        """Extend each group's action with the ones the scheduler would take next if it fails again (SAGE: the
+        higher levels), as deep as the round stays within `width` rows (the step's first rollout). Late rounds of a
+        level search hold few groups; where a pass's time is set by its decode steps rather than its rows (vLLM:
+        16 long rollouts take about as long as 128), rolling levels 2 and 3 together saves a rollout pass and a
+        hint pass. Where rows cost time in proportion (HF generate on CPU), the unasked rows cost more than the
+        pass saved: off by default (`sage_lookahead`)."""
         G = self.num_generations
+        ahead = {pid: self.scheduler.lookahead(pid, _seen(tries[pid]), chain[0]) for pid, chain in chains.items()}
+        depth = max((len(a) for a in ahead.values()), default=0)
+        while depth and G * sum(1 + min(depth, len(a)) for a in ahead.values()) > width:
+            depth -= 1
+        for pid, a in ahead.items():
+            chains[pid] += a[:depth]
+
+    def _reroll(self, chains: dict[str, list[Action]], tries: dict[str, list[Try]], hint_log) -> None:
+        """One more pass of G rollouts for each action of each group in `chains` (every process calls this
+        together), then the tries are handed back in order: a try after a group's first action is kept only if the
+        scheduler, seeing the tries before it, asks for it (the search is the sequential one; unasked rows count
+        as spent, not trained)."""
+        G, n_funcs = self.num_generations, len(self.reward_funcs)
         fresh, taken = {}, {t.rows[0]["prompt_id"] for ts in tries.values() for t in ts}
-        for pid, a in list(actions.items()):
-            if a.mode == "new_prompt":
+        for pid, chain in list(chains.items()):
+            if chain[0].mode == "new_prompt":
                 row = self._draw_prompt(taken)
                 if row is None:  # the train set has no prompt left outside this batch: keep the group
-                    del actions[pid]
+                    del chains[pid]
                     continue
                 fresh[pid] = row
                 taken.add(row["prompt_id"])
-        asked = [(fresh.get(pid) or tries[pid][-1].rows[0], a.level) for pid, a in actions.items() if a.level > 0]
-        hints = self._get_hints(asked)
+        row_of = {pid: fresh.get(pid) or tries[pid][-1].rows[0] for pid in chains}
+        hints = self._get_hints([(row_of[pid], a.level) for pid, chain in chains.items() for a in chain if a.level])
+        made: dict[str, list] = {pid: [None] * len(chain) for pid, chain in chains.items()}
         plan, batch = [], []
-        for pid, a in actions.items():
-            row = fresh.get(pid) or tries[pid][0].rows[0]
-            res = hints.get((row["prompt_id"], a.level)) if a.level > 0 else None
-            if res is not None:
-                _log_hint(hint_log[pid], a.level, res)
-            if a.level > 0 and (res is None or res.text is None):
-                tries[pid].append(Try(a.level, None, [row] * G, [], [], [], None,
-                                      torch.zeros(0, len(self.reward_funcs)), []))
-                continue  # no usable hint at this level: an empty try, the scheduler moves on
-            text = res.text if res is not None else None
-            plan.append((pid, a.level, text, row))
-            batch += [self._prompt(row, text)] * G
+        for pid, chain in chains.items():
+            row = row_of[pid]
+            for k, a in enumerate(chain):
+                res = hints.get((row["prompt_id"], a.level)) if a.level > 0 else None
+                if a.level > 0 and (res is None or res.text is None):
+                    # no usable hint at this level: an empty try, the scheduler moves on
+                    made[pid][k] = (Try(a.level, None, [row] * G, [], [], [], None, torch.zeros(0, n_funcs), []), res)
+                    continue
+                text = res.text if res is not None else None
+                plan.append((pid, k, a.level, text, row, res))
+                batch += [self._prompt(row, text)] * G
         ids, comp_ids, comps, lps = self._roll(batch)
-        rows_flat = [row for (_, _, _, row) in plan for _ in range(G)]
+        rows_flat = [p[4] for p in plan for _ in range(G)]
         rpf = self._score(rows_flat, batch, comps, comp_ids) if batch else None
-        for k, (pid, level, text, row) in enumerate(plan):
-            s = slice(k * G, (k + 1) * G)
-            tries[pid].append(self._make_try(level, text, [row] * G, ids[s], comp_ids[s], comps[s],
-                                             lps[s] if lps is not None else None, rpf[s]))
+        for j, (pid, k, level, text, row, res) in enumerate(plan):
+            s = slice(j * G, (j + 1) * G)
+            made[pid][k] = (self._make_try(level, text, [row] * G, ids[s], comp_ids[s], comps[s],
+                                           lps[s] if lps is not None else None, rpf[s]), res)
         self._counts["reroll_groups"] += len(plan)
+        for pid, chain in chains.items():
+            for k, (a, (t, res)) in enumerate(zip(chain, made[pid], strict=True)):
+                if k and self.scheduler.next_action(pid, _seen(tries[pid])) != a:
+                    unasked = sum(len(u.rewards) for u, _ in made[pid][k:])
+                    self._unasked[pid] += unasked
+                    self._counts["lookahead_unasked_rows"] += unasked
+                    break
+                if res is not None:
+                    _log_hint(hint_log[pid], a.level, res)
+                tries[pid].append(t)
 
     def _finalize(self, groups, tries, rows):
         """Splice each prompt's selected rows into the batch; returns per-row outputs, weights and rewards."""
@@ -282,6 +357,7 @@ class SageGRPOTrainer(GRPOTrainer):
         comps = [[{"role": "assistant", "content": t}] for t in texts] if prompts and is_conversational(
             {"prompt": prompts[0]}) else texts
         self._counts[f"{kind}_rows"] += n
+        self._counts["gen_tokens"] += sum(len(c) for c in comp_ids)
         return ids, comp_ids, comps, lps
 
     def _pad_prompt(self):
@@ -383,7 +459,7 @@ class SageGRPOTrainer(GRPOTrainer):
                 hint_l1=h["hints_tried"].get(1), hint_l2=h["hints_tried"].get(2), hint_l3=h["hints_tried"].get(3),
                 acc_l1=acc[1], acc_l2=acc[2], acc_l3=acc[3],
                 leak_l1=1 in h["leaked"], leak_l2=2 in h["leaked"], leak_l3=3 in h["leaked"],
-                hint_failed=h["failed"], rollouts=sum(len(t.rewards) for t in ts),
+                hint_failed=h["failed"], rollouts=sum(len(t.rewards) for t in ts) + self._unasked[pid],
                 completions=[completion_text(ts[ti].completions[ri]) for ti, ri in sel.picks], rewards=final_rewards,
                 pilot_rewards=list(first.rewards),
                 energy=gate.advantage_energy(final_rewards), weight=sel.weight, method=method,
@@ -438,6 +514,11 @@ def _groups_by_prompt_id(rows: list[dict], G: int) -> list[tuple[str, list[int]]
         if len(idx) != G or idx != list(range(idx[0], idx[0] + G)):
             raise RuntimeError(f"prompt {pid!r} has rows {idx} on this process; expected {G} contiguous rows")
     return list(groups.items())
+
+
+def _seen(tries: list[Try]) -> list[tuple[int, list[float]]]:
+    """What a scheduler sees of a group's tries: (level, rewards) in order."""
+    return [(t.level, t.rewards) for t in tries]
 
 
 def _log_hint(log: dict, level: int, res: HintResult) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+import torch
 
 from sage_core.data import build_dataset
-from sage_core.hints import write_reference_hints
+from sage_core.hints import write_hints, write_reference_hints
 from sage_core.presets import preset
 from sage_core.prompts import HINT_HEADER
 from sage_core.tracker import COLUMNS, read_tracker
@@ -50,6 +51,10 @@ def test_grpo_on_hard_prompts_collapses(tiny_model_dir, tmp_path):
     assert len(collapsed) == 2 and min(collapsed) >= 0.75
     assert all(h["sage/level_0_frac"] == 1.0 for h in res.log_history if "sage/level_0_frac" in h)
     assert res.summary["rollouts"] == 2 * 4 * 8  # GRPO never re-rolls
+    # work: completion tokens generated and tokens trained; GRPO trains exactly what it rolled out, as TRL counts it
+    lengths = [h["completions/mean_length"] for h in res.log_history if "completions/mean_length" in h]
+    assert res.summary["gen_tokens"] == pytest.approx(sum(lengths) * 4 * 8)
+    assert res.summary["train_tokens"] == max(h["num_tokens"] for h in res.log_history if "num_tokens" in h)
     assert (res.checkpoint_dir / "config.json").exists()
 
 
@@ -70,6 +75,7 @@ def test_sage_rescues_collapsed_groups_with_hints(sage_hard):
     assert sum(metric(trainer, "sage/rescued_groups")) == len(rescued)
     # re-rolls are per collapsed group: G more rollouts per level tried (fewer when a level had no usable hint)
     assert ((df.rollouts % 8 == 0) & (df.rollouts >= 8) & (df.rollouts <= 8 * (1 + df.max_level_tried))).all()
+    assert sum(metric(trainer, "sage/lookahead_unasked_rows")) == 0  # lookahead is off by default
     assert sum(metric(trainer, "sage/rollouts")) == df.rollouts.sum()
 
 
@@ -77,6 +83,8 @@ def test_loss_sees_hinted_prompt_ids_exactly_for_hinted_groups(sage_hard):
     trainer, out, seen = sage_hard
     df = read_tracker(out / "tracker")
     hinted_rows = [sum(HINT_HEADER in p for p in batch) for batch in seen]
+    # tokens trained count the hinted prompts (TRL's num_tokens counts the step's first, unhinted rollout)
+    assert sum(metric(trainer, "sage/train_tokens")) > metric(trainer, "num_tokens")[-1]
     expected = [8 * int((df[df.step == s].level > 0).sum()) for s in (1, 2, 3)]
     assert hinted_rows == expected and sum(expected) > 0
 
@@ -169,3 +177,57 @@ def test_rollout_budget_stops_training_when_spent():
     cb.on_log(None, None, control, logs={"loss": 0.1})  # other log lines spend nothing
     cb.on_log(None, None, control, logs={"sage/rollouts": 40.0})
     assert control.should_training_stop and cb.spent == 104
+
+
+WORDS = {1: "one", 2: "two", 3: "three"}
+
+
+def _scripted_sage(tiny_model_dir, out, lookahead: bool):
+    """SAGE on 4 prompts whose rewards are scripted by the hint level in the prompt: prompt k needs level
+    NEED[k] (4: never solved); at or above it, half of the group succeeds. The rollouts are real generations."""
+    need_of = [1, 1, 2, 4]
+    spec = small("sage", num_prompts=4, prompts_per_step=4, max_steps=2, hint_source="teacher",
+                 teacher=str(out / "teacher.jsonl"), lookahead=lookahead)
+    rows = list(build_dataset(spec))
+    need = {r["prompt_id"]: need_of[i] for i, r in enumerate(rows)}
+    write_hints(out / "teacher.jsonl", [(r["prompt_id"], lvl, f"use hint {WORDS[lvl]}") for r in rows for lvl in WORDS])
+    trainer = build_trainer(spec, out)
+    passes = []
+
+    def score(rows, prompts, completions, completion_ids):
+        rpf = torch.zeros(len(rows), 1)
+        for i, (row, prompt) in enumerate(zip(rows, prompts)):
+            text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+            level = max([lvl for lvl, w in WORDS.items() if f"use hint {w}" in text], default=0)
+            rpf[i, 0] = float(level >= need[row["prompt_id"]] and i % 2 == 0)
+        return rpf
+
+    roll = trainer._roll
+
+    def spy(prompts, kind="reroll"):
+        passes.append((kind, len(prompts)))
+        return roll(prompts, kind)
+
+    trainer._score, trainer._roll = score, spy
+    trainer.train()
+    return trainer, read_tracker(out / "tracker"), passes
+
+
+def test_lookahead_rolls_late_levels_together_and_keeps_the_sequential_search(tiny_model_dir, tmp_path):
+    seq, df_seq, passes_seq = _scripted_sage(tiny_model_dir, tmp_path / "seq", lookahead=False)
+    ahead, df_ahead, passes_ahead = _scripted_sage(tiny_model_dir, tmp_path / "ahead", lookahead=True)
+    key = ["step", "prompt_id"]
+    cols = ["level", "max_level_tried", "acc_l1", "acc_l2", "acc_l3", "rescued", "pass_rate"]
+    a, b = df_seq.sort_values(key).reset_index(drop=True), df_ahead.sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a[key + cols], b[key + cols])  # same levels tried, same group trained
+    assert sorted(a.level.unique()) == [0, 1, 2] and (a[a.max_level_tried == 3].level == 0).all()
+    # sequential: each step rolls L1 (4 groups), L2 (2 groups), L3 (1 group) in three passes; ahead: round 2 holds
+    # 2 groups x 2 levels = 32 rows, the first rollout's width, so L2 and L3 share one pass
+    rerolls_seq = [n for kind, n in passes_seq if kind == "reroll"]
+    rerolls_ahead = [n for kind, n in passes_ahead if kind == "reroll"]
+    assert rerolls_seq == [32, 16, 8] * 2 and rerolls_ahead == [32, 32] * 2
+    # L3 rolled ahead for the prompt solved at L2 was not asked for: spent, not trained, not in the tracker
+    unasked = sum(metric(ahead, "sage/lookahead_unasked_rows"))
+    assert unasked == 8 * 2 and sum(metric(seq, "sage/lookahead_unasked_rows")) == 0
+    assert b.rollouts.sum() - a.rollouts.sum() == unasked
+    assert sum(metric(ahead, "sage/rollouts")) == b.rollouts.sum()

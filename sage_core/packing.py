@@ -1,0 +1,50 @@
+"""Length buckets for the loss's forward pass: less padding, the same loss.
+
+A micro-batch is one padded tensor: every row is as wide as its longest prompt plus its longest completion. Hinted
+prompts are longer than bare ones and completions vary (a solved problem writes every step, a failed one may stop
+early), so a single hinted group or one long completion widens all rows. The forward can run on buckets of rows of
+similar length instead, each trimmed to its own width, and the per-token log-probs put back in row order: the loss
+sees the same tensors. A bucket costs `overhead` token slots on top of its padded area (a forward's fixed cost), and
+the split minimizes padded area + overhead x buckets over contiguous runs of rows sorted by length (exact DP).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def length_buckets(prompt_lens, completion_lens, overhead: int = 256) -> list[list[int]]:
+    """Row indices grouped into buckets minimizing sum(rows x (max prompt + max completion) + overhead).
+
+    Rows are sorted by total length (longest first) and cut into contiguous runs; ties keep row order."""
+    p, c = np.asarray(prompt_lens, dtype=np.int64), np.asarray(completion_lens, dtype=np.int64)
+    if p.shape != c.shape or p.ndim != 1:
+        raise ValueError(f"prompt_lens and completion_lens must be 1-D of one length, got {p.shape} and {c.shape}")
+    n = len(p)
+    if n == 0:
+        return []
+    if overhead < 0:
+        raise ValueError(f"overhead must be >= 0, got {overhead}")
+    order = np.argsort(-(p + c), kind="stable")
+    p, c = p[order], c[order]
+    best = np.full(n + 1, np.inf)
+    best[0], cut = 0.0, np.zeros(n + 1, dtype=np.int64)
+    for i in range(n):  # a bucket starting at sorted row i and ending at row j-1, for every j > i
+        width = np.maximum.accumulate(p[i:]) + np.maximum.accumulate(c[i:])
+        cost = best[i] + width * np.arange(1, n - i + 1) + overhead
+        better = cost < best[i + 1:]
+        best[i + 1:][better] = cost[better]
+        cut[i + 1:][better] = i
+    buckets, j = [], n
+    while j > 0:
+        i = int(cut[j])
+        buckets.append(order[i:j].tolist())
+        j = i
+    return buckets[::-1]
+
+
+def padded_area(prompt_lens, completion_lens, buckets: list[list[int]] | None = None) -> int:
+    """Token slots a forward computes: one padded tensor, or one per bucket."""
+    p, c = np.asarray(prompt_lens), np.asarray(completion_lens)
+    buckets = buckets if buckets is not None else [list(range(len(p)))]
+    return int(sum(len(b) * (p[b].max() + c[b].max()) for b in buckets if b))
