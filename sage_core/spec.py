@@ -58,6 +58,8 @@ class RunSpec(BaseModel):
     micro_batch_size: int | None = Field(None, ge=1, description="rows per forward/backward; None: all at once")
     length_buckets: bool = Field(True, description="forward the loss on length buckets of a micro-batch, each "
                                                     "trimmed of shared padding (same loss, fewer padded tokens)")
+    skip_zero_advantage: bool = Field(True, description="no backward through rows whose advantage is 0 (exact "
+                                                         "with beta 0 and no entropy bonus; needs length_buckets)")
     learning_rate: float = Field(1e-4, gt=0.0)
     max_prompt_length: int | None = Field(None, description="longest prompt incl. hint (sizes vLLM's context)")
     max_completion_length: int = Field(40, ge=1)

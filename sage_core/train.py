@@ -103,6 +103,7 @@ def build_config(spec: RunSpec, output_dir: str | Path):
         sage_max_rounds=max(spec.max_rounds, 3),
         sage_lookahead=spec.lookahead,
         sage_length_buckets=spec.length_buckets,
+        sage_skip_zero_advantage=spec.skip_zero_advantage,
     )
 
 

@@ -52,6 +52,9 @@ class SageConfig(GRPOConfig):
                 "than the first rollout; the search result is unchanged, unasked rollouts are counted as spent"})
     sage_length_buckets: bool = field(default=True, metadata={
         "help": "run the loss's forward on buckets of rows of similar length, each trimmed of shared padding"})
+    sage_skip_zero_advantage: bool = field(default=True, metadata={
+        "help": "forward zero-advantage rows without a graph (no backward) when that is exact: beta 0, no entropy "
+                "bonus; needs sage_length_buckets"})
     sage_bucket_overhead: int = field(default=256, metadata={
         "help": "a forward's fixed cost in token slots: a bucket is split off only when it saves more padding"})
     tracker_dir: str | None = field(default=None, metadata={"help": "per-prompt Parquet files (output_dir/tracker)"})
@@ -120,10 +123,24 @@ class SageGRPOTrainer(GRPOTrainer):
             return gather(rpf.to(self.accelerator.device))
         return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
+    def _compute_loss(self, model, inputs):
+        """TRL's loss; rows whose advantage is 0 carry no gradient when beta = 0 and there is no entropy bonus (every
+        loss type multiplies the advantage), so their forward runs without a graph: their log-probs and entropies
+        are still computed (the logged entropy and clip ratios cover every row), their backward is skipped."""
+        adv = inputs["advantages"]
+        exact = self.beta == 0.0 and not self._entropy_bonus_enabled and model.training
+        self._no_grad_rows = ((adv == 0) if adv.dim() == 1 else (adv == 0).all(dim=1)) if (
+            exact and self.args.sage_skip_zero_advantage) else None
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._no_grad_rows = None
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         """TRL's forward, on buckets of rows of similar length, each trimmed of the padding all its rows share
-        (sage_core.packing); the log-probs and entropies come back in row order, in the same (B, C) shape."""
+        (sage_core.packing), zero-advantage rows in buckets of their own run without a graph (see _compute_loss);
+        the log-probs and entropies come back in row order, in the same (B, C) shape."""
         plain = (not self.args.sage_length_buckets or compute_aux_loss or input_ids.size(0) < 2
                  or any(v is not None for v in multimodal.values()))
         if plain:
@@ -135,19 +152,29 @@ class SageGRPOTrainer(GRPOTrainer):
         cols = torch.arange(1, max(P, C) + 1, device=input_ids.device)
         prompt_w = (attention_mask[:, :P].flip(1) * cols[:P]).amax(1) if P else torch.zeros_like(input_ids[:, 0])
         comp_w = (attention_mask[:, P:] * cols[:C]).amax(1)
-        buckets = length_buckets(prompt_w.tolist(), comp_w.tolist(), self.args.sage_bucket_overhead)
-        if batch_size:  # TRL's memory cap on rows per forward still holds
-            buckets = [b[i:i + batch_size] for b in buckets for i in range(0, len(b), batch_size)]
+        dead = getattr(self, "_no_grad_rows", None)
+        dead = dead.tolist() if dead is not None and len(dead) == input_ids.size(0) else [False] * input_ids.size(0)
+        buckets = []  # (rows, with_grad)
+        for no_grad in (False, True):
+            rows = [i for i, d in enumerate(dead) if d == no_grad]
+            for b in length_buckets(prompt_w[rows].tolist(), comp_w[rows].tolist(), self.args.sage_bucket_overhead):
+                b = [rows[i] for i in b]
+                step = batch_size or len(b)  # TRL's memory cap on rows per forward still holds
+                buckets += [(b[i:i + step], not no_grad) for i in range(0, len(b), step)]
+        if torch.is_grad_enabled() and not buckets[0][1]:
+            buckets[0] = (buckets[0][0], True)  # no row carries gradient: one bucket keeps the loss on the graph
         logps, entropies = [], []
-        for rows in buckets:
+        for rows, with_grad in buckets:
             idx = torch.tensor(rows, device=input_ids.device)
             pw, cw = int(prompt_w[idx].max()), max(int(comp_w[idx].max()), 1)
-            lp, ent, _ = super()._get_per_token_logps_and_entropies(
-                model, input_ids[idx, P - pw:P + cw], attention_mask[idx, P - pw:P + cw], cw, None, compute_entropy)
+            with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
+                lp, ent, _ = super()._get_per_token_logps_and_entropies(
+                    model, input_ids[idx, P - pw:P + cw], attention_mask[idx, P - pw:P + cw], cw, None,
+                    compute_entropy)
             logps.append(nn.functional.pad(lp, (0, C - cw)))
             if compute_entropy:
                 entropies.append(nn.functional.pad(ent, (0, C - cw)))
-        back = torch.argsort(torch.tensor([r for b in buckets for r in b], device=input_ids.device))
+        back = torch.argsort(torch.tensor([r for b, _ in buckets for r in b], device=input_ids.device))
         return (torch.cat(logps)[back], torch.cat(entropies)[back] if compute_entropy else None, None)
 
     def _generate(self, prompts):

@@ -100,3 +100,49 @@ def test_bucketed_forward_gives_the_loss_the_same_logps_entropies_and_gradients(
     # one padded forward before; buckets after, each no wider than its own longest prompt + completion
     assert calls0 == [ids.shape] and len(calls1) > 1
     assert sum(s[0] * s[1] for s in calls1) < ids.shape[0] * ids.shape[1]
+
+
+def test_zero_advantage_rows_skip_their_backward_and_the_loss_gradient_is_unchanged(tiny_model_dir, tmp_path):
+    from sage_core.presets import preset
+    from sage_core.train import build_trainer
+
+    trainer = build_trainer(preset("tiny-cpu", method="grpo", num_prompts=8, prompts_per_step=2, max_steps=1),
+                            tmp_path)
+    ids, mask, C, comp_mask = _padded_batch(trainer.processing_class, np.random.default_rng(1))
+    P = ids.size(1) - C
+    inputs = {"prompt_ids": ids[:, :P], "prompt_mask": mask[:, :P], "completion_ids": ids[:, P:],
+              "completion_mask": comp_mask, "advantages": torch.tensor([0.0, 0.0, 1.2, -0.7, 0.0, 0.0]),
+              "num_items_in_batch": comp_mask.sum().float()}
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() for each optimizer step
+    grad_modes = []
+    plain_forward = model.forward
+
+    def spy(*a, **k):
+        grad_modes.append((k["input_ids"].size(0), torch.is_grad_enabled()))
+        return plain_forward(*a, **k)
+
+    model.forward = spy
+    out = {}
+    for skip in (False, True):
+        trainer.args.sage_skip_zero_advantage = skip
+        trainer._metrics["train"].clear()
+        model.zero_grad()
+        grad_modes.clear()
+        loss = trainer._compute_loss(model, dict(inputs))
+        loss.backward()
+        out[skip] = (loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None],
+                     trainer._metrics["train"]["entropy"][-1], list(grad_modes))
+    (l0, g0, e0, m0), (l1, g1, e1, m1) = out[False], out[True]
+    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-4)
+    for a, b in zip(g1, g0, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-3)
+    assert e1 == pytest.approx(e0, rel=1e-4)  # the logged entropy still covers every row
+    assert all(grad for _, grad in m0)
+    assert sum(n for n, grad in m1 if grad) == 2 and sum(n for n, grad in m1 if not grad) == 4
+    # all rows dead (every group collapsed): one bucket keeps the loss on the graph, with a zero gradient
+    model.zero_grad()
+    loss = trainer._compute_loss(model, {**inputs, "advantages": torch.zeros(6)})
+    loss.backward()
+    assert all(float(p.grad.abs().max()) == 0 for p in model.parameters() if p.grad is not None)
