@@ -73,6 +73,7 @@ def test_bucketed_forward_gives_the_loss_the_same_logps_entropies_and_gradients(
     trainer = build_trainer(preset("tiny-cpu", method="grpo", num_prompts=8, prompts_per_step=2, max_steps=1),
                             tmp_path)
     ids, mask, C, comp_mask = _padded_batch(trainer.processing_class, np.random.default_rng(0))
+    assert trainer.args.sage_bucket_overhead == 256  # the CPU default
     model = trainer.model
     calls = []
     plain_forward = model.forward
