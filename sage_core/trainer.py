@@ -108,6 +108,7 @@ class SageGRPOTrainer(GRPOTrainer):
         self._row_weights: torch.Tensor | None = None
         self._hints_prepared = False
         self._pool = None  # fresh prompts for methods that swap a collapsed group for a new prompt
+        self._no_grad_rows: torch.Tensor | None = None  # rows of the current loss forward that carry no gradient
 
     # ------------------------------------------------------------------------------------------ TRL hooks
     def _generate_and_score_completions(self, inputs):
@@ -156,7 +157,7 @@ class SageGRPOTrainer(GRPOTrainer):
         cols = torch.arange(1, max(P, C) + 1, device=input_ids.device)
         prompt_w = (attention_mask[:, :P].flip(1) * cols[:P]).amax(1) if P else torch.zeros_like(input_ids[:, 0])
         comp_w = (attention_mask[:, P:] * cols[:C]).amax(1)
-        dead = getattr(self, "_no_grad_rows", None)
+        dead = self._no_grad_rows
         dead = dead.tolist() if dead is not None and len(dead) == input_ids.size(0) else [False] * input_ids.size(0)
         buckets = []  # (rows, with_grad)
         for no_grad in (False, True):
@@ -328,7 +329,7 @@ class SageGRPOTrainer(GRPOTrainer):
         self._selections, observed = {}, []
         for pid, idx in groups:
             ts = tries[pid]
-            sel = self.scheduler.finalize(pid, [(t.level, t.rewards) for t in ts])
+            sel = self.scheduler.finalize(pid, _seen(ts))
             if len(sel.picks) != G:
                 raise RuntimeError(f"scheduler {self.scheduler.name} picked {len(sel.picks)} rows, expected {G}")
             for slot, (ti, ri) in zip(idx, sel.picks, strict=True):
