@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import math
 import os
 import statistics
@@ -95,15 +94,14 @@ def main(argv=None) -> int:
                     help="a RunSpec field for every method (repeatable), e.g. --set hint_temperature=1.0")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every method; ratios are medians over rounds")
     args = ap.parse_args(argv)
-    overrides = {"num_prompts": args.prompts} if args.prompts else {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            ap.error(f"--set {item!r}: expected KEY=VALUE")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value  # a plain string, e.g. --set hint_source=fixed
+    from sage_core.cli import SpecError, parse_sets
+
+    try:  # the CLI's own parser: unknown fields are named, values are coerced by RunSpec
+        overrides = parse_sets(args.set)
+    except SpecError as e:
+        ap.error(str(e))
+    if args.prompts:
+        overrides["num_prompts"] = args.prompts
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if "grpo" not in methods:
         methods.insert(0, "grpo")
