@@ -128,9 +128,13 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
     from .trainer import SageGRPOTrainer
 
     args = build_config(spec, output_dir)
+    dataset = build_dataset(spec)
+    if len(dataset) < spec.prompts_per_step:  # TRL's sampler would draw no step and "finish" having trained nothing
+        raise ValueError(f"{spec.data}: {len(dataset)} training prompts, fewer than prompts_per_step="
+                         f"{spec.prompts_per_step}; raise num_prompts (or use a larger data set) or lower "
+                         "prompts_per_step")
     warm_pool_in_background()
     model, tokenizer = load_policy(spec.model, spec.gguf_file)
-    dataset = build_dataset(spec)
     scheduler = make_scheduler(spec.method, light_min=spec.light_min, light_max=spec.light_max,
                                max_rounds=spec.max_rounds, weighting=spec.weighting,
                                num_generations=spec.num_generations)

@@ -157,6 +157,12 @@ def test_sage_light_raises_levels_and_resumes(tiny_model_dir, tmp_path):
     assert res3.global_step == 3 and sorted(read_tracker(res3.tracker_dir).step.unique()) == [1, 2, 3]
 
 
+def test_too_few_prompts_for_one_step_is_an_error_not_an_empty_run(tmp_path):
+    with pytest.raises(ValueError, match="4 training prompts, fewer than prompts_per_step=8"):
+        build_trainer(small("grpo", num_prompts=4, prompts_per_step=8), tmp_path)
+    assert not (tmp_path / "tracker").exists()
+
+
 def test_groups_are_keyed_by_prompt_id_not_position():
     rows = [{"prompt_id": p} for p in "aabb"]
     assert _groups_by_prompt_id(rows, 2) == [("a", [0, 1]), ("b", [2, 3])]
