@@ -5,7 +5,10 @@
 Every method trains from the same warm-started tiny model on the same prompts with the same seed; the table
 prints training time (model loading excluded) as a ratio to GRPO, the work behind it as ratios to GRPO that do not
 depend on the machine (completion tokens generated, re-rolls and hints included; tokens trained, prompt + completion),
-rollouts spent, and the fraction of prompts that never got a correct rollout. Runs of a few seconds are noisy on a shared machine, so each repeat runs every method
+rollouts spent, the learning signal (groups trained with mixed rewards, an open gate) as a ratio to GRPO and the
+training time per such group as a ratio to GRPO's (`s/open x` below 1: cheaper signal than GRPO), the split of each
+method's time between rolling out, writing hints and the update, and the fraction of prompts that never got a
+correct rollout. Runs of a few seconds are noisy on a shared machine, so each repeat runs every method
 once (in a rotated order), each method's ratio is taken against the GRPO run of the same repeat, and the table
 shows the median ratio with its range. A one-step warm-up of every method comes first and is not timed.
 Targets (issue 2): SAGE-LIGHT <= 1.15x GRPO, SAGE <= 1.8x (paper: 1.2x and 2.3x), and a lower never-solved
@@ -40,6 +43,8 @@ def run_once(preset_name: str, steps: int, method: str, overrides: dict) -> dict
         res = train(spec, Path(out), resume=False)
     return dict(method=method, seconds=res.summary["train_seconds"], rollouts=res.summary["rollouts"],
                 gen_tokens=res.summary["gen_tokens"], train_tokens=res.summary["train_tokens"],
+                open_groups=res.summary["open_groups"], gen_seconds=res.summary["gen_seconds"],
+                hint_seconds=res.summary["hint_seconds"],
                 never_solved=res.summary["never_solved"], never_solved_no_hint=res.summary["never_solved_no_hint"],
                 collapsed=res.summary["frac_collapsed"], rescued=res.summary["rescued"])
 
@@ -61,24 +66,33 @@ def run(preset_name: str, steps: int, methods: list[str], overrides: dict, repea
     base = rounds[0].get("grpo")
     for method in methods:
         runs = [r[method] for r in rounds]
-        work = {k: runs[0][k] / base[k] if base and base[k] else math.nan for k in ("gen_tokens", "train_tokens")}
+        work = {k: runs[0][k] / base[k] if base and base[k] else math.nan
+                for k in ("gen_tokens", "train_tokens", "open_groups")}
         ratios = [r[method]["seconds"] / r["grpo"]["seconds"] for r in rounds] if "grpo" in methods else [math.nan]
+        ratio = statistics.median(ratios)
         rows.append({**runs[0], "gen_x": work["gen_tokens"], "train_x": work["train_tokens"],
-                     "seconds": statistics.median(x["seconds"] for x in runs),
-                     "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)})
+                     "open_x": work["open_groups"], "per_open_x": ratio / work["open_groups"] if work["open_groups"]
+                     else math.nan, "seconds": statistics.median(x["seconds"] for x in runs),
+                     "gen_share": statistics.median(x["gen_seconds"] / x["seconds"] for x in runs),
+                     "hint_share": statistics.median(x["hint_seconds"] / x["seconds"] for x in runs),
+                     "ratio": ratio, "ratio_min": min(ratios), "ratio_max": max(ratios)})
     return rows
 
 
 def report(rows: list[dict]) -> str:
-    head = f"{'method':<20}{'train s':>9}{'x GRPO':>8}{'range':>12}{'target':>10}{'gen tok x':>10}" \
-           f"{'train tok x':>12}{'rollouts':>10}{'never solved':>14}{'(no hint)':>11}{'collapsed':>11}{'rescued':>9}"
+    head = f"{'method':<20}{'train s':>9}{'x GRPO':>8}{'range':>12}{'target':>13}{'gen/hint/upd %':>16}" \
+           f"{'gen tok x':>10}{'train tok x':>12}{'open x':>8}{'s/open x':>9}{'rollouts':>10}{'never solved':>14}" \
+           f"{'(no hint)':>11}{'collapsed':>11}{'rescued':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         target = TARGETS.get(r["method"])
         mark = "" if target is None else (f"<={target}" + (" ok" if r["ratio"] <= target else " MISS"))
         spread = f"{r.get('ratio_min', r['ratio']):.2f}-{r.get('ratio_max', r['ratio']):.2f}"
-        lines.append(f"{r['method']:<20}{r['seconds']:>9.1f}{r['ratio']:>8.2f}{spread:>12}{mark:>10}"
-                     f"{r.get('gen_x', math.nan):>10.2f}{r.get('train_x', math.nan):>12.2f}{r['rollouts']:>10.0f}"
+        g, h = r.get("gen_share", math.nan), r.get("hint_share", math.nan)
+        split = "-" if math.isnan(g) or math.isnan(h) else f"{100 * g:.0f}/{100 * h:.0f}/{100 * (1 - g - h):.0f}"
+        lines.append(f"{r['method']:<20}{r['seconds']:>9.1f}{r['ratio']:>8.2f}{spread:>12}{mark:>13}{split:>16}"
+                     f"{r.get('gen_x', math.nan):>10.2f}{r.get('train_x', math.nan):>12.2f}"
+                     f"{r.get('open_x', math.nan):>8.2f}{r.get('per_open_x', math.nan):>9.2f}{r['rollouts']:>10.0f}"
                      f"{r['never_solved']:>14.3f}{r['never_solved_no_hint']:>11.3f}{r['collapsed']:>11.3f}"
                      f"{r['rescued']:>9.0f}")
     return "\n".join(lines)

@@ -30,7 +30,7 @@ from sage_core import tracking
 from sage_core.spec import RunSpec
 
 SUMMARY_KEYS = ("never_solved", "never_solved_no_hint", "frac_collapsed", "frac_rescued", "rollouts", "rescued",
-                "prompts_seen", "reward", "train_seconds", "gen_tokens", "train_tokens")
+                "prompts_seen", "reward", "train_seconds", "gen_tokens", "train_tokens", "open_groups")
 NOT_TRANSIENT = (ValueError, TypeError, KeyError, ImportError, NotImplementedError, AssertionError,
                  FileNotFoundError)
 

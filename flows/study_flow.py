@@ -50,7 +50,7 @@ VariantName = Literal[tuple(VARIANTS)]  # type: ignore[valid-type]
 COMPARISON_COLUMNS = ["variant", "method", "hint_source", "k", "avg_at_k_before", "avg_at_k_after",
                       "delta_avg_at_k", "pass_at_k_after", "never_solved", "never_solved_no_hint",
                       "frac_collapsed", "rollouts", "rescued", "wall_seconds", "train_seconds", "train_vs_grpo",
-                      "gen_tokens", "gen_vs_grpo", "train_tokens", "global_step",
+                      "gen_tokens", "gen_vs_grpo", "train_tokens", "open_groups", "open_vs_grpo", "global_step",
                       "status", "run_id"]
 
 
@@ -117,17 +117,19 @@ def comparison_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """One row per variant, in the order given: accuracy before/after, never-solved, collapsed fraction,
     rollouts, wall-clock (loading, training, saving) and the training loop's time as a ratio to GRPO's (the loop
     alone, so that the one-time costs of whichever variant runs first do not skew the ratios), and the completion
-    tokens generated as a ratio to GRPO's (the work behind the time, the same on any machine)."""
+    tokens generated as a ratio to GRPO's (the work behind the time, the same on any machine), and the groups trained
+    with mixed rewards (an open gate: the learning signal) as a ratio to GRPO's."""
     df = pd.DataFrame(rows)
     for c in COMPARISON_COLUMNS:
         if c not in df.columns:
             df[c] = float("nan") if c not in ("variant", "method", "hint_source", "status", "run_id") else None
     for c in ("avg_at_k_before", "avg_at_k_after", "pass_at_k_after", "never_solved", "never_solved_no_hint",
               "frac_collapsed", "rollouts", "rescued", "wall_seconds", "train_seconds", "gen_tokens", "train_tokens",
-              "global_step"):
+              "open_groups", "global_step"):
         df[c] = df[c].map(_num)
     df["delta_avg_at_k"] = df["avg_at_k_after"] - df["avg_at_k_before"]
-    for col, ratio in (("train_seconds", "train_vs_grpo"), ("gen_tokens", "gen_vs_grpo")):
+    for col, ratio in (("train_seconds", "train_vs_grpo"), ("gen_tokens", "gen_vs_grpo"),
+                       ("open_groups", "open_vs_grpo")):
         grpo = df.loc[df["method"] == "grpo", col]
         base = float(grpo.iloc[0]) if len(grpo) and grpo.iloc[0] > 0 else float("nan")
         df[ratio] = df[col] / base
@@ -143,11 +145,12 @@ def report_card(df: pd.DataFrame, title: str = "hint-study") -> str:
     """A compact markdown report card (nanochat style): one row per variant, the numbers that matter."""
     show = df[["variant", "avg_at_k_before", "avg_at_k_after", "pass_at_k_after", "never_solved",
                "frac_collapsed", "rollouts", "wall_seconds", "train_seconds", "train_vs_grpo", "gen_vs_grpo",
-               "status"]].rename(
+               "open_vs_grpo", "status"]].rename(
                    columns={"avg_at_k_before": "avg@k before", "avg_at_k_after": "avg@k after",
                             "pass_at_k_after": "pass@k after", "never_solved": "never solved",
                             "frac_collapsed": "collapsed", "wall_seconds": "wall s", "train_seconds": "train s",
-                            "train_vs_grpo": "train/GRPO", "gen_vs_grpo": "gen tok/GRPO"})
+                            "train_vs_grpo": "train/GRPO", "gen_vs_grpo": "gen tok/GRPO",
+                            "open_vs_grpo": "open/GRPO"})
     k = df["k"].dropna()
     head = f"## {title}" + (f" (no-hint eval, k={int(k.iloc[0])})" if len(k) else "")
     return head + "\n\n" + tracking.to_markdown(show)

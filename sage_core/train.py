@@ -212,6 +212,11 @@ def summarize(history: list[dict], tracker) -> dict[str, float]:
         # work done, machine-independent: completion tokens generated (rollouts, re-rolls, hints) and tokens trained
         "gen_tokens": sum(h.get("sage/gen_tokens", 0) or 0 for h in steps),
         "train_tokens": sum(h.get("sage/train_tokens", 0) or 0 for h in steps),
+        # learning signal: trained groups whose gate was open (mixed rewards), summed over steps
+        "open_groups": sum(h.get("sage/open_groups", 0) or 0 for h in steps),
+        # where the time went: rolling out (first rollout and re-rolls) and writing hints; the rest is the update
+        "gen_seconds": sum(h.get("sage/gen_seconds", 0) or 0 for h in steps),
+        "hint_seconds": sum(h.get("sage/hint_seconds", 0) or 0 for h in steps),
         "reward": mean("reward"),
         "step_time": mean("step_time"),
         # the training loop alone (no model loading, no saving): what method-to-method cost ratios compare

@@ -506,6 +506,8 @@ class SageGRPOTrainer(GRPOTrainer):
         m["sage/frac_all_one"].append(states.count("all1") / n)
         m["sage/frac_rescued"].append(sum(r["rescued"] for r in recs) / n)
         m["sage/rescued_groups"].append(float(sum(r["rescued"] for r in recs)))
+        # groups trained with an open gate (mixed rewards: a non-zero advantage), whatever the level
+        m["sage/open_groups"].append(float(sum(not gate.collapsed(r["rewards"]) for r in recs)))
         hinted = [r for r in recs if r["max_level_tried"] > 0 and r["first_level"] == 0]
         m["sage/rescue_rate"].append(sum(r["rescued"] for r in hinted) / len(hinted) if hinted else float("nan"))
         for lvl in (0, *LEVELS):

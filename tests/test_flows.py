@@ -83,12 +83,13 @@ def test_comparison_table_and_report_card():
     rows = [
         dict(variant="grpo", method="grpo", hint_source="none", k=2, avg_at_k_before=0.2, avg_at_k_after=0.3,
              pass_at_k_after=0.5, never_solved=0.4, never_solved_no_hint=0.4, frac_collapsed=0.6, rollouts=64.0,
-             rescued=0.0, wall_seconds=10.0, train_seconds=8.0, gen_tokens=1000.0, global_step=2, status="FINISHED",
+             rescued=0.0, wall_seconds=10.0, train_seconds=8.0, gen_tokens=1000.0, open_groups=4.0, global_step=2,
+             status="FINISHED",
              run_id="a"),
         dict(variant="sage-online", method="sage", hint_source="online", k=2, avg_at_k_before=0.2,
              avg_at_k_after=0.4, pass_at_k_after=0.625, never_solved=0.1, never_solved_no_hint=0.3,
              frac_collapsed=0.5, rollouts=96.0, rescued=3.0, wall_seconds=25.0, train_seconds=20.0, gen_tokens=2300.0,
-             global_step=2,
+             open_groups=10.0, global_step=2,
              status="FINISHED", run_id="b", extra="ignored"),
         dict(variant="sage-fixed", method="sage", hint_source="fixed", status="FAILED"),
     ]
@@ -96,6 +97,7 @@ def test_comparison_table_and_report_card():
     assert list(df.columns) == COMPARISON_COLUMNS and list(df["variant"]) == ["grpo", "sage-online", "sage-fixed"]
     assert df.loc[1, "train_vs_grpo"] == 2.5 and df.loc[0, "train_vs_grpo"] == 1.0  # the loop's time, not wall
     assert df.loc[1, "gen_vs_grpo"] == 2.3 and math.isnan(df.loc[2, "gen_vs_grpo"])  # the work behind it
+    assert df.loc[1, "open_vs_grpo"] == 2.5 and df.loc[0, "open_vs_grpo"] == 1.0  # the learning signal it bought
     assert math.isclose(df.loc[1, "delta_avg_at_k"], 0.2)
     assert math.isnan(df.loc[2, "avg_at_k_after"]) and df.loc[2, "status"] == "FAILED"
     card = report_card(df, "t")
@@ -204,6 +206,10 @@ def test_hint_study_children_table_and_rerun(prefect_harness, store):
     assert df.loc[df["variant"] == "grpo", "gen_vs_grpo"].iloc[0] == 1.0 and (df["gen_tokens"] > 0).all()
     grpo_row = df[df["variant"] == "grpo"].iloc[0]  # GRPO trains what it generated, plus the prompts
     assert grpo_row["train_tokens"] > grpo_row["gen_tokens"]
+    # the learning signal: SAGE trains at least as many open groups as GRPO (same first rollout; it only re-rolls
+    # all-zero groups)
+    assert df["open_groups"].notna().all() and grpo_row["open_groups"] <= df.loc[
+        df["variant"] == "sage-teacher", "open_groups"].iloc[0]
 
     with get_client(sync_client=True) as pc:
         arts = pc.read_artifacts()

@@ -51,6 +51,8 @@ def test_grpo_on_hard_prompts_collapses(tiny_model_dir, tmp_path):
     assert len(collapsed) == 2 and min(collapsed) >= 0.75
     assert all(h["sage/level_0_frac"] == 1.0 for h in res.log_history if "sage/level_0_frac" in h)
     assert res.summary["rollouts"] == 2 * 4 * 8  # GRPO never re-rolls
+    # its learning signal is the groups that were not collapsed
+    assert res.summary["open_groups"] == pytest.approx(4 * sum(1 - c for c in collapsed))
     # work: completion tokens generated and tokens trained; GRPO trains exactly what it rolled out, as TRL counts it
     lengths = [h["completions/mean_length"] for h in res.log_history if "completions/mean_length" in h]
     assert res.summary["gen_tokens"] == pytest.approx(sum(lengths) * 4 * 8)
@@ -73,6 +75,10 @@ def test_sage_rescues_collapsed_groups_with_hints(sage_hard):
         assert r[f"acc_l{r.level}"] > 0
         assert all(pd.isna(r[f"acc_l{lv}"]) or r[f"acc_l{lv}"] == 0 for lv in range(1, r.level))
     assert sum(metric(trainer, "sage/rescued_groups")) == len(rescued)
+    # the learning signal: every trained group with mixed rewards, i.e. mixed at once or rescued by a hint
+    open_groups = df.rewards.apply(lambda r: 0 < sum(r) < len(r))
+    assert sum(metric(trainer, "sage/open_groups")) == open_groups.sum() == (df.base_state == "mixed").sum() + len(
+        rescued)
     # re-rolls are per collapsed group: G more rollouts per level tried (fewer when a level had no usable hint)
     assert ((df.rollouts % 8 == 0) & (df.rollouts >= 8) & (df.rollouts <= 8 * (1 + df.max_level_tried))).all()
     assert sum(metric(trainer, "sage/lookahead_unasked_rows")) == 0  # lookahead is off by default
