@@ -119,13 +119,11 @@ class RolloutBudget(TrainerCallback):
             control.should_training_stop = True
 
 
-def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
+def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
+    """What every trainer of a spec is built from: its config, data set, model and tokenizer."""
     from .data import build_dataset
-    from .hints import make_hint_source
     from .models import load_policy
-    from .reward import boxed_reward, warm_pool_in_background
-    from .schedulers import make_scheduler
-    from .trainer import SageGRPOTrainer
+    from .reward import warm_pool_in_background
 
     args = build_config(spec, output_dir)
     dataset = build_dataset(spec)
@@ -135,6 +133,28 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
                          "prompts_per_step")
     warm_pool_in_background()
     model, tokenizer = load_policy(spec.model, spec.gguf_file)
+    return args, dataset, model, tokenizer
+
+
+def build_trl_grpo_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
+    """TRL's own GRPOTrainer on the spec's config, data, model and reward: the baseline a user would otherwise run
+    (no scheduler, no tracker, no sage/* metrics, every row trained on one padded tensor)."""
+    from trl import GRPOTrainer
+
+    from .reward import boxed_reward
+
+    args, dataset, model, tokenizer = _trainer_inputs(spec, output_dir)
+    return GRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
+                       processing_class=tokenizer, callbacks=list(callbacks))
+
+
+def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
+    from .hints import make_hint_source
+    from .reward import boxed_reward
+    from .schedulers import make_scheduler
+    from .trainer import SageGRPOTrainer
+
+    args, dataset, model, tokenizer = _trainer_inputs(spec, output_dir)
     scheduler = make_scheduler(spec.method, light_min=spec.light_min, light_max=spec.light_max,
                                max_rounds=spec.max_rounds, weighting=spec.weighting,
                                num_generations=spec.num_generations)
