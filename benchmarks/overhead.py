@@ -2,15 +2,18 @@
 
     python benchmarks/overhead.py [--preset tiny-cpu] [--steps 8] [--methods grpo,sage-light,sage] [--repeats 3]
 
-Every method trains from the same warm-started tiny model on the same prompts with the same seed; the table
-prints training time (model loading excluded) as a ratio to GRPO, the work behind it as ratios to GRPO that do not
-depend on the machine (completion tokens generated, re-rolls and hints included; tokens trained, prompt + completion),
-rollouts spent, the learning signal (groups trained with mixed rewards, an open gate) as a ratio to GRPO and the
-training time per such group as a ratio to GRPO's (`s/open x` below 1: cheaper signal than GRPO), the split of each
-method's time between rolling out, writing hints and the update, and the fraction of prompts that never got a
-correct rollout. Runs of a few seconds are noisy on a shared machine, so each repeat runs every method
-once (in a rotated order), each method's ratio is taken against the GRPO run of the same repeat, and the table
-shows the median ratio with its range. A one-step warm-up of every method comes first and is not timed.
+Every method trains from the same warm-started tiny model on the same prompts with the same seed. The table prints
+training time (model loading excluded) as a ratio to GRPO (this trainer's, method=grpo) and to TRL's own
+GRPOTrainer on the same config (`trl-grpo`, what a user would otherwise run: it trains the same rollouts to the
+same weights, but every row, zero-advantage ones included, through one padded backward); the work behind the time
+as ratios to GRPO that do not depend on the machine (completion tokens generated, re-rolls and hints included;
+tokens trained, prompt + completion); the learning signal (groups trained with mixed rewards, an open gate) as a
+ratio to GRPO and the time per such group as a ratio to GRPO's (`s/open x` below 1: cheaper signal than GRPO's);
+the split of each method's time between rolling out, writing hints and the update; rollouts spent, and the
+fraction of prompts that never got a correct rollout. Runs of a few seconds are noisy on a shared machine, so each
+repeat runs every method once (in a rotated order), each method's ratio is taken against the GRPO run of the same
+repeat, and the table shows the median ratio with its range. A one-step warm-up of every method comes first and
+is not timed.
 Targets (issue 2): SAGE-LIGHT <= 1.15x GRPO, SAGE <= 1.8x (paper: 1.2x and 2.3x), and a lower never-solved
 fraction with SAGE than with GRPO.
 """
@@ -34,11 +37,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TARGETS = {"sage-light": 1.15, "sage": 1.8}
 
 
+TRL_GRPO = "trl-grpo"  # TRL's own GRPOTrainer on the same config, data, model and reward
+
+
+def run_trl_grpo(spec) -> dict:
+    """Stock trl.GRPOTrainer: its time, and the same work and signal counts from TRL's own metrics."""
+    from transformers import set_seed
+
+    from sage_core.train import build_trl_grpo_trainer
+
+    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
+        set_seed(spec.seed)
+        trainer = build_trl_grpo_trainer(spec, Path(out))
+        trainer.train()
+    history = trainer.state.log_history
+    steps = [h for h in history if "frac_reward_zero_std" in h]
+    rows, nan = spec.prompts_per_step * spec.num_generations, math.nan
+    return dict(method=TRL_GRPO, seconds=next(h["train_runtime"] for h in history if "train_runtime" in h),
+                rollouts=rows * len(steps), gen_tokens=sum(h["completions/mean_length"] * rows for h in steps),
+                train_tokens=max(h["num_tokens"] for h in steps),
+                open_groups=sum((1 - h["frac_reward_zero_std"]) * spec.prompts_per_step for h in steps),
+                gen_seconds=nan, hint_seconds=nan, never_solved=nan, never_solved_no_hint=nan,
+                collapsed=sum(h["frac_reward_zero_std"] for h in steps) / len(steps), rescued=0)
+
+
 def run_once(preset_name: str, steps: int, method: str, overrides: dict) -> dict:
     from sage_core.presets import preset
     from sage_core.train import train
 
-    spec = preset(preset_name, method=method, max_steps=steps, **overrides)
+    spec = preset(preset_name, method="grpo" if method == TRL_GRPO else method, max_steps=steps, **overrides)
+    if method == TRL_GRPO:
+        return run_trl_grpo(spec)
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):  # per-step log lines
         res = train(spec, Path(out), resume=False)
     return dict(method=method, seconds=res.summary["train_seconds"], rollouts=res.summary["rollouts"],
@@ -70,17 +99,19 @@ def run(preset_name: str, steps: int, methods: list[str], overrides: dict, repea
                 for k in ("gen_tokens", "train_tokens", "open_groups")}
         ratios = [r[method]["seconds"] / r["grpo"]["seconds"] for r in rounds] if "grpo" in methods else [math.nan]
         ratio = statistics.median(ratios)
+        vs_trl = statistics.median(r[method]["seconds"] / r[TRL_GRPO]["seconds"] for r in rounds) if (
+            TRL_GRPO in methods) else math.nan
         rows.append({**runs[0], "gen_x": work["gen_tokens"], "train_x": work["train_tokens"],
                      "open_x": work["open_groups"], "per_open_x": ratio / work["open_groups"] if work["open_groups"]
                      else math.nan, "seconds": statistics.median(x["seconds"] for x in runs),
                      "gen_share": statistics.median(x["gen_seconds"] / x["seconds"] for x in runs),
                      "hint_share": statistics.median(x["hint_seconds"] / x["seconds"] for x in runs),
-                     "ratio": ratio, "ratio_min": min(ratios), "ratio_max": max(ratios)})
+                     "ratio": ratio, "ratio_min": min(ratios), "ratio_max": max(ratios), "vs_trl": vs_trl})
     return rows
 
 
 def report(rows: list[dict]) -> str:
-    head = f"{'method':<20}{'train s':>9}{'x GRPO':>8}{'range':>12}{'target':>13}{'gen/hint/upd %':>16}" \
+    head = f"{'method':<20}{'train s':>9}{'x GRPO':>8}{'range':>12}{'target':>13}{'x TRL':>7}{'gen/hint/upd %':>16}" \
            f"{'gen tok x':>10}{'train tok x':>12}{'open x':>8}{'s/open x':>9}{'rollouts':>10}{'never solved':>14}" \
            f"{'(no hint)':>11}{'collapsed':>11}{'rescued':>9}"
     lines = [head, "-" * len(head)]
@@ -90,7 +121,7 @@ def report(rows: list[dict]) -> str:
         spread = f"{r.get('ratio_min', r['ratio']):.2f}-{r.get('ratio_max', r['ratio']):.2f}"
         g, h = r.get("gen_share", math.nan), r.get("hint_share", math.nan)
         split = "-" if math.isnan(g) or math.isnan(h) else f"{100 * g:.0f}/{100 * h:.0f}/{100 * (1 - g - h):.0f}"
-        lines.append(f"{r['method']:<20}{r['seconds']:>9.1f}{r['ratio']:>8.2f}{spread:>12}{mark:>13}{split:>16}"
+        lines.append(f"{r['method']:<20}{r['seconds']:>9.1f}{r['ratio']:>8.2f}{spread:>12}{mark:>13}{r.get('vs_trl', math.nan):>7.2f}{split:>16}"
                      f"{r.get('gen_x', math.nan):>10.2f}{r.get('train_x', math.nan):>12.2f}"
                      f"{r.get('open_x', math.nan):>8.2f}{r.get('per_open_x', math.nan):>9.2f}{r['rollouts']:>10.0f}"
                      f"{r['never_solved']:>14.3f}{r['never_solved_no_hint']:>11.3f}{r['collapsed']:>11.3f}"
@@ -102,7 +133,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny-cpu")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--methods", default="grpo,sage-light,sage,dapo-filter,ada-seq,ada-est,sage-light+ada-seq")
+    ap.add_argument("--methods", default=f"grpo,{TRL_GRPO},sage-light,sage,dapo-filter,ada-seq,ada-est,"
+                                         "sage-light+ada-seq")
     ap.add_argument("--prompts", type=int, default=None, help="num_prompts override")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a RunSpec field for every method (repeatable), e.g. --set hint_temperature=1.0")

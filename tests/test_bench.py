@@ -20,10 +20,14 @@ def _overhead():
 
 def test_overhead_bench_ratios_work_and_signal(tiny_model_dir):
     ob = _overhead()
-    rows = ob.run("tiny-cpu", 2, ["grpo", "sage"], dict(num_prompts=8, prompts_per_step=4), repeats=1)
+    rows = ob.run("tiny-cpu", 2, ["grpo", ob.TRL_GRPO, "sage"], dict(num_prompts=8, prompts_per_step=4), repeats=1)
     by = {r["method"]: r for r in rows}
-    grpo, sage = by["grpo"], by["sage"]
-    assert grpo["ratio"] == grpo["gen_x"] == grpo["train_x"] == 1.0
+    grpo, trl, sage = by["grpo"], by[ob.TRL_GRPO], by["sage"]
+    assert grpo["ratio"] == grpo["gen_x"] == grpo["train_x"] == trl["vs_trl"] == 1.0
+    # stock TRL GRPO rolls out and trains the same rows as method=grpo (counted from TRL's own metrics)
+    assert trl["rollouts"] == grpo["rollouts"] and trl["gen_x"] == pytest.approx(1.0)
+    assert trl["train_x"] == 1.0 and trl["open_groups"] == pytest.approx(grpo["open_groups"])
+    assert sage["vs_trl"] == pytest.approx(sage["seconds"] / trl["seconds"])
     assert sage["ratio"] == pytest.approx(sage["seconds"] / grpo["seconds"])
     # SAGE re-rolls collapsed groups: more rollouts and more tokens generated than GRPO, on the same prompts
     assert sage["rollouts"] > grpo["rollouts"] == 2 * 4 * 8
@@ -38,6 +42,6 @@ def test_overhead_bench_ratios_work_and_signal(tiny_model_dir):
     assert 0 < sage["hint_share"] and sage["gen_share"] + sage["hint_share"] < 1
     table = ob.report(rows)
     lines = table.splitlines()
-    assert "s/open x" in lines[0] and len(lines) == 4
-    assert lines[3].startswith("sage") and ("MISS" in lines[3]) == (sage["ratio"] > ob.TARGETS["sage"])
+    assert "s/open x" in lines[0] and "x TRL" in lines[0] and len(lines) == 5
+    assert lines[4].startswith("sage") and ("MISS" in lines[4]) == (sage["ratio"] > ob.TARGETS["sage"])
     assert not math.isnan(sage["gen_share"])
