@@ -110,6 +110,10 @@ def run(preset_name: str, steps: int, methods: list[str], overrides: dict, repea
     return rows
 
 
+def _num(v: float, width: int) -> str:
+    return f"{'-':>{width}}" if math.isnan(v) else f"{v:>{width}.3f}"
+
+
 def report(rows: list[dict]) -> str:
     head = f"{'method':<20}{'train s':>9}{'x GRPO':>8}{'range':>12}{'target':>13}{'x TRL':>7}{'gen/hint/upd %':>16}" \
            f"{'gen tok x':>10}{'train tok x':>12}{'open x':>8}{'s/open x':>9}{'rollouts':>10}{'never solved':>14}" \
@@ -124,7 +128,7 @@ def report(rows: list[dict]) -> str:
         lines.append(f"{r['method']:<20}{r['seconds']:>9.1f}{r['ratio']:>8.2f}{spread:>12}{mark:>13}{r.get('vs_trl', math.nan):>7.2f}{split:>16}"
                      f"{r.get('gen_x', math.nan):>10.2f}{r.get('train_x', math.nan):>12.2f}"
                      f"{r.get('open_x', math.nan):>8.2f}{r.get('per_open_x', math.nan):>9.2f}{r['rollouts']:>10.0f}"
-                     f"{r['never_solved']:>14.3f}{r['never_solved_no_hint']:>11.3f}{r['collapsed']:>11.3f}"
+                     f"{_num(r['never_solved'], 14)}{_num(r['never_solved_no_hint'], 11)}{r['collapsed']:>11.3f}"
                      f"{r['rescued']:>9.0f}")
     return "\n".join(lines)
 
