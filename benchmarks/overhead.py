@@ -9,7 +9,9 @@ same weights, but every row, zero-advantage ones included, through one padded ba
 as ratios to GRPO that do not depend on the machine (completion tokens generated, re-rolls and hints included;
 tokens trained, prompt + completion); the learning signal (groups trained with mixed rewards, an open gate) as a
 ratio to GRPO and the time per such group as a ratio to GRPO's (`s/open x` below 1: cheaper signal than GRPO's);
-the split of each method's time between rolling out, writing hints and the update; rollouts spent, and the
+the split of each method's time between rolling out, writing hints and the update; the activation memory of the
+loss's forward (`act MB`: bytes saved for backward per micro-batch, largest step; sage_core/memory.py); rollouts
+spent, and the
 fraction of prompts that never got a correct rollout. Runs of a few seconds are noisy on a shared machine, so each
 repeat runs every method once (in a rotated order), each method's ratio is taken against the GRPO run of the same
 repeat, and the table shows the median ratio with its range. A one-step warm-up of every method comes first and
@@ -40,6 +42,20 @@ TARGETS = {"sage-light": 1.15, "sage": 1.8}
 TRL_GRPO = "trl-grpo"  # TRL's own GRPOTrainer on the same config, data, model and reward
 
 
+def _measured(trainer, compute_loss):
+    from sage_core.memory import saved_bytes
+
+    def wrapped(model, inputs):
+        if not model.training:
+            return compute_loss(model, inputs)
+        with saved_bytes(model) as saved:
+            loss = compute_loss(model, inputs)
+        trainer._metrics["train"]["sage/activation_mb"].append(saved[0] / 2**20)
+        return loss
+
+    return wrapped
+
+
 def run_trl_grpo(spec) -> dict:
     """Stock trl.GRPOTrainer: its time, and the same work and signal counts from TRL's own metrics."""
     from transformers import set_seed
@@ -49,6 +65,8 @@ def run_trl_grpo(spec) -> dict:
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
         set_seed(spec.seed)
         trainer = build_trl_grpo_trainer(spec, Path(out))
+        if spec.measure_activations:  # the same count as SageGRPOTrainer's, around TRL's own loss
+            trainer._compute_loss = _measured(trainer, trainer._compute_loss)
         trainer.train()
     history = trainer.state.log_history
     steps = [h for h in history if "frac_reward_zero_std" in h]
@@ -57,6 +75,8 @@ def run_trl_grpo(spec) -> dict:
                 rollouts=rows * len(steps), gen_tokens=sum(h["completions/mean_length"] * rows for h in steps),
                 train_tokens=max(h["num_tokens"] for h in steps),
                 open_groups=sum((1 - h["frac_reward_zero_std"]) * spec.prompts_per_step for h in steps),
+                activation_mb=max((h["sage/activation_mb"] for h in history if "sage/activation_mb" in h),
+                                  default=nan),
                 gen_seconds=nan, hint_seconds=nan, never_solved=nan, never_solved_no_hint=nan,
                 collapsed=sum(h["frac_reward_zero_std"] for h in steps) / len(steps), rescued=0)
 
@@ -73,7 +93,7 @@ def run_once(preset_name: str, steps: int, method: str, overrides: dict) -> dict
     return dict(method=method, seconds=res.summary["train_seconds"], rollouts=res.summary["rollouts"],
                 gen_tokens=res.summary["gen_tokens"], train_tokens=res.summary["train_tokens"],
                 open_groups=res.summary["open_groups"], gen_seconds=res.summary["gen_seconds"],
-                hint_seconds=res.summary["hint_seconds"],
+                hint_seconds=res.summary["hint_seconds"], activation_mb=res.summary["activation_mb"],
                 never_solved=res.summary["never_solved"], never_solved_no_hint=res.summary["never_solved_no_hint"],
                 collapsed=res.summary["frac_collapsed"], rescued=res.summary["rescued"])
 
@@ -110,13 +130,13 @@ def run(preset_name: str, steps: int, methods: list[str], overrides: dict, repea
     return rows
 
 
-def _num(v: float, width: int) -> str:
-    return f"{'-':>{width}}" if math.isnan(v) else f"{v:>{width}.3f}"
+def _num(v: float, width: int, fmt: str = ".3f") -> str:
+    return f"{'-':>{width}}" if math.isnan(v) else f"{v:>{width}{fmt}}"
 
 
 def report(rows: list[dict]) -> str:
     head = f"{'method':<20}{'train s':>9}{'x GRPO':>8}{'range':>12}{'target':>13}{'x TRL':>7}{'gen/hint/upd %':>16}" \
-           f"{'gen tok x':>10}{'train tok x':>12}{'open x':>8}{'s/open x':>9}{'rollouts':>10}{'never solved':>14}" \
+           f"{'gen tok x':>10}{'train tok x':>12}{'open x':>8}{'s/open x':>9}{'act MB':>8}{'rollouts':>10}{'never solved':>14}" \
            f"{'(no hint)':>11}{'collapsed':>11}{'rescued':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -127,7 +147,8 @@ def report(rows: list[dict]) -> str:
         split = "-" if math.isnan(g) or math.isnan(h) else f"{100 * g:.0f}/{100 * h:.0f}/{100 * (1 - g - h):.0f}"
         lines.append(f"{r['method']:<20}{r['seconds']:>9.1f}{r['ratio']:>8.2f}{spread:>12}{mark:>13}{r.get('vs_trl', math.nan):>7.2f}{split:>16}"
                      f"{r.get('gen_x', math.nan):>10.2f}{r.get('train_x', math.nan):>12.2f}"
-                     f"{r.get('open_x', math.nan):>8.2f}{r.get('per_open_x', math.nan):>9.2f}{r['rollouts']:>10.0f}"
+                     f"{r.get('open_x', math.nan):>8.2f}{r.get('per_open_x', math.nan):>9.2f}"
+                     f"{_num(r.get('activation_mb', math.nan), 8, '.2f')}{r['rollouts']:>10.0f}"
                      f"{_num(r['never_solved'], 14)}{_num(r['never_solved_no_hint'], 11)}{r['collapsed']:>11.3f}"
                      f"{r['rescued']:>9.0f}")
     return "\n".join(lines)
@@ -152,6 +173,7 @@ def main(argv=None) -> int:
         ap.error(str(e))
     if args.prompts:
         overrides["num_prompts"] = args.prompts
+    overrides.setdefault("measure_activations", True)  # the act MB column (a saved-tensor hook: cheap)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if "grpo" not in methods:
         methods.insert(0, "grpo")

@@ -60,6 +60,8 @@ class RunSpec(BaseModel):
                                                     "trimmed of shared padding (same loss, fewer padded tokens)")
     skip_zero_advantage: bool = Field(True, description="no backward through rows whose advantage is 0 (exact "
                                                          "with beta 0 and no entropy bonus; needs length_buckets)")
+    measure_activations: bool = Field(False, description="log sage/activation_mb: the bytes the loss's forward saves "
+                                                         "for backward per micro-batch (the activation memory)")
     learning_rate: float = Field(1e-4, gt=0.0)
     max_prompt_length: int | None = Field(None, description="longest prompt incl. hint (sizes vLLM's context)")
     max_completion_length: int = Field(40, ge=1)

@@ -104,6 +104,7 @@ def build_config(spec: RunSpec, output_dir: str | Path):
         sage_lookahead=spec.lookahead,
         sage_length_buckets=spec.length_buckets,
         sage_skip_zero_advantage=spec.skip_zero_advantage,
+        sage_measure_activations=spec.measure_activations,
     )
 
 
@@ -237,6 +238,9 @@ def summarize(history: list[dict], tracker) -> dict[str, float]:
         # where the time went: rolling out (first rollout and re-rolls) and writing hints; the rest is the update
         "gen_seconds": sum(h.get("sage/gen_seconds", 0) or 0 for h in steps),
         "hint_seconds": sum(h.get("sage/hint_seconds", 0) or 0 for h in steps),
+        # activation memory (measure_activations): the largest step mean of bytes saved for backward per micro-batch
+        "activation_mb": max((h["sage/activation_mb"] for h in history if "sage/activation_mb" in h),
+                             default=float("nan")),
         "reward": mean("reward"),
         "step_time": mean("step_time"),
         # the training loop alone (no model loading, no saving): what method-to-method cost ratios compare

@@ -28,6 +28,7 @@ from trl.data_utils import is_conversational
 
 from . import gate
 from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints
+from .memory import saved_bytes
 from .packing import length_buckets
 from .prompts import LEVELS, hinted_problem
 from .reward import completion_text
@@ -59,6 +60,9 @@ class SageConfig(GRPOConfig):
         "help": "a forward's fixed cost in token slots: a bucket is split off only when it saves more padding. None: "
                 "256 on CPU (measured), 2048 on CUDA, 16384 when parameters are sharded (ZeRO-3/FSDP gather them "
                 "for every forward); the last two are estimates, not measured"})
+    sage_measure_activations: bool = field(default=False, metadata={
+        "help": "log sage/activation_mb, the bytes the loss's forward saves for backward per micro-batch (a saved-"
+                "tensor hook; off by default so it never meets torch.compile)"})
     tracker_dir: str | None = field(default=None, metadata={"help": "per-prompt Parquet files (output_dir/tracker)"})
 
     def __post_init__(self):
@@ -137,7 +141,12 @@ class SageGRPOTrainer(GRPOTrainer):
         self._no_grad_rows = ((adv == 0) if adv.dim() == 1 else (adv == 0).all(dim=1)) if (
             exact and self.args.sage_skip_zero_advantage) else None
         try:
-            return super()._compute_loss(model, inputs)
+            if not (self.args.sage_measure_activations and model.training):
+                return super()._compute_loss(model, inputs)
+            with saved_bytes(model) as saved:
+                loss = super()._compute_loss(model, inputs)
+            self._metrics["train"]["sage/activation_mb"].append(saved[0] / 2**20)
+            return loss
         finally:
             self._no_grad_rows = None
 

@@ -20,7 +20,8 @@ def _overhead():
 
 def test_overhead_bench_ratios_work_and_signal(tiny_model_dir):
     ob = _overhead()
-    rows = ob.run("tiny-cpu", 2, ["grpo", ob.TRL_GRPO, "sage"], dict(num_prompts=8, prompts_per_step=4), repeats=1)
+    rows = ob.run("tiny-cpu", 2, ["grpo", ob.TRL_GRPO, "sage"],
+                  dict(num_prompts=8, prompts_per_step=4, measure_activations=True), repeats=1)
     by = {r["method"]: r for r in rows}
     grpo, trl, sage = by["grpo"], by[ob.TRL_GRPO], by["sage"]
     assert grpo["ratio"] == grpo["gen_x"] == grpo["train_x"] == trl["vs_trl"] == 1.0
@@ -28,6 +29,9 @@ def test_overhead_bench_ratios_work_and_signal(tiny_model_dir):
     assert trl["rollouts"] == grpo["rollouts"] and trl["gen_x"] == pytest.approx(1.0)
     assert trl["train_x"] == 1.0 and trl["open_groups"] == pytest.approx(grpo["open_groups"])
     assert sage["vs_trl"] == pytest.approx(sage["seconds"] / trl["seconds"])
+    # activation memory: TRL keeps every row's activations for the backward; method=grpo only the rows with a
+    # non-zero advantage, and SAGE (more open groups, longer hinted prompts) more than that GRPO
+    assert 0 < grpo["activation_mb"] < trl["activation_mb"] and grpo["activation_mb"] < sage["activation_mb"]
     assert sage["ratio"] == pytest.approx(sage["seconds"] / grpo["seconds"])
     # SAGE re-rolls collapsed groups: more rollouts and more tokens generated than GRPO, on the same prompts
     assert sage["rollouts"] > grpo["rollouts"] == 2 * 4 * 8

@@ -1,0 +1,35 @@
+"""Activation memory of the loss's forward: the bytes autograd keeps for the backward.
+
+A saved-tensor hook sees every tensor the forward saves for its backward; each storage is counted once however many
+tensors view it, and the parameters' own storages are left out (they are held anyway). The count is exact for what
+the graph keeps and the same on any machine; temporaries freed during the forward and allocator overhead are not in
+it. Rows run without a graph (zero-advantage rows, see SageGRPOTrainer._compute_loss) save nothing, and under
+gradient checkpointing only what the checkpoints keep is counted: the memory those features save shows up here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+@contextmanager
+def saved_bytes(model: nn.Module) -> Iterator[list[int]]:
+    """Count the bytes saved for backward inside the block; yields a one-element list holding the running total."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            total[0] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
