@@ -13,6 +13,9 @@ The numbers come from the TrainResult's log history (TRL's and SAGE's per-step m
 - rollouts: `sage/rollouts`, completions generated per step (GRPO: prompts x G; SAGE adds its re-rolls).
 - tok/s:    rollouts x `completions/mean_length` / gen_s. The mean length is that of the trained groups, so for
             SAGE the re-rolls' token count is estimated with it (marked ~ in the header).
+- act_MB:   `sage/activation_mb` (measure_activations), the bytes the loss's forward saves for backward per
+            micro-batch, largest step.
+- peak_GiB: torch.cuda.max_memory_allocated over the run: training plus the colocated vLLM engine's allocations.
 
 With the tiny model the script hands vLLM a bfloat16 copy of it (vLLM's fast attention kernels have no fp32 path);
 the tokenizer files are copied unchanged and the trainer still loads them as PreTrainedTokenizerFast.
@@ -73,7 +76,9 @@ def step_metrics(history: list[dict], skip_first: bool = True) -> dict[str, floa
     mean_len = _mean([h.get("completions/mean_length") for h in steps])
     tok_s = rollouts * mean_len / gen_s if gen_s and gen_s > 0 else float("nan")
     return {"steps": float(len(steps)), "step_s": step_s, "gen_s": gen_s, "rollouts": rollouts,
-            "mean_len": mean_len, "tok_s": tok_s, "reward": _mean([h.get("reward") for h in steps])}
+            "mean_len": mean_len, "tok_s": tok_s, "reward": _mean([h.get("reward") for h in steps]),
+            "act_mb": max((float(h["sage/activation_mb"]) for h in steps if h.get("sage/activation_mb") is not None),
+                          default=float("nan"))}
 
 
 def format_table(rows: dict[str, dict[str, float]], header: str = "") -> str:
@@ -91,13 +96,14 @@ def format_table(rows: dict[str, dict[str, float]], header: str = "") -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
     cols = ["method", "steps", "step_s", "gen_s", "rollouts/step", "mean_len", "~rollout_tok/s", "step_s/GRPO",
-            "tok/s/GRPO", "reward"]
+            "tok/s/GRPO", "reward", "act_MB", "peak_GiB"]
     lines = [header] if header else []
     table = [cols]
     for method, m in rows.items():
         table.append([method, num(m.get("steps"), ".0f"), num(m.get("step_s"), ".3f"), num(m.get("gen_s"), ".3f"),
                       num(m.get("rollouts"), ".1f"), num(m.get("mean_len"), ".1f"), num(m.get("tok_s"), ".0f"),
-                      ratio(m, "step_s"), ratio(m, "tok_s"), num(m.get("reward"), ".3f")])
+                      ratio(m, "step_s"), ratio(m, "tok_s"), num(m.get("reward"), ".3f"),
+                      num(m.get("act_mb"), ".1f"), num(m.get("peak_gib"), ".2f")])
     widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
     for r in table:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
@@ -127,7 +133,8 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
 
     out = Path(args.out).resolve()
     fields = {"method": method, "use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization":
-              args.gpu_mem, "max_steps": args.steps, "save_steps": 10 * args.steps, "bf16": True, "seed": args.seed}
+              args.gpu_mem, "max_steps": args.steps, "save_steps": 10 * args.steps, "bf16": True, "seed": args.seed,
+              "measure_activations": True}
     if args.model == "tiny":
         copy = bf16_copy_of_tiny(out / "tiny-bf16")
         models.tiny_model_path = lambda *a, **k: copy  # load_policy("tiny") and vLLM both read the copy
@@ -138,9 +145,13 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     spec = preset("tiny-cpu", **fields)
     run_dir = out / method
     shutil.rmtree(run_dir, ignore_errors=True)
+    import torch
+
+    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     result = train(spec, run_dir, callbacks=[], resume=False)
     m = step_metrics(result.log_history)
+    m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30  # training and the colocated vLLM engine together
     m["wall_s"] = time.perf_counter() - t0
     m["global_step"] = float(result.global_step)
     (run_dir / METRICS_FILE).write_text(json.dumps({"method": method, "metrics": m, "spec": spec.model_dump()},
