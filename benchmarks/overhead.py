@@ -10,8 +10,9 @@ as ratios to GRPO that do not depend on the machine (completion tokens generated
 tokens trained, prompt + completion); the learning signal (groups trained with mixed rewards, an open gate) as a
 ratio to GRPO and the time per such group as a ratio to GRPO's (`s/open x` below 1: cheaper signal than GRPO's);
 the split of each method's time between rolling out, writing hints and the update; the activation memory of the
-loss's forward (`act MB`: bytes saved for backward per micro-batch, largest step; sage_core/memory.py); rollouts
-spent, and the
+loss's forward (`act MB`: bytes saved for backward per micro-batch, largest step; sage_core/memory.py); the
+sequential generate calls per step (`passes`, rollout + hint: on vLLM a pass costs about its longest completion
+whatever its width); rollouts spent, and the
 fraction of prompts that never got a correct rollout. Runs of a few seconds are noisy on a shared machine, so each
 repeat runs every method once (in a rotated order), each method's ratio is taken against the GRPO run of the same
 repeat, and the table shows the median ratio with its range. A one-step warm-up of every method comes first and
@@ -77,7 +78,7 @@ def run_trl_grpo(spec) -> dict:
                 open_groups=sum((1 - h["frac_reward_zero_std"]) * spec.prompts_per_step for h in steps),
                 activation_mb=max((h["sage/activation_mb"] for h in history if "sage/activation_mb" in h),
                                   default=nan),
-                gen_seconds=nan, hint_seconds=nan, never_solved=nan, never_solved_no_hint=nan,
+                gen_seconds=nan, hint_seconds=nan, never_solved=nan, never_solved_no_hint=nan, passes=(1.0, 0.0),
                 collapsed=sum(h["frac_reward_zero_std"] for h in steps) / len(steps), rescued=0)
 
 
@@ -94,6 +95,7 @@ def run_once(preset_name: str, steps: int, method: str, overrides: dict) -> dict
                 gen_tokens=res.summary["gen_tokens"], train_tokens=res.summary["train_tokens"],
                 open_groups=res.summary["open_groups"], gen_seconds=res.summary["gen_seconds"],
                 hint_seconds=res.summary["hint_seconds"], activation_mb=res.summary["activation_mb"],
+                passes=(res.summary["rollout_passes"] / steps, res.summary["hint_passes"] / steps),
                 never_solved=res.summary["never_solved"], never_solved_no_hint=res.summary["never_solved_no_hint"],
                 collapsed=res.summary["frac_collapsed"], rescued=res.summary["rescued"])
 
@@ -136,7 +138,7 @@ def _num(v: float, width: int, fmt: str = ".3f") -> str:
 
 def report(rows: list[dict]) -> str:
     head = f"{'method':<20}{'train s':>9}{'x GRPO':>8}{'range':>12}{'target':>13}{'x TRL':>7}{'gen/hint/upd %':>16}" \
-           f"{'gen tok x':>10}{'train tok x':>12}{'open x':>8}{'s/open x':>9}{'act MB':>8}{'rollouts':>10}{'never solved':>14}" \
+           f"{'gen tok x':>10}{'train tok x':>12}{'open x':>8}{'s/open x':>9}{'act MB':>8}{'passes':>10}{'rollouts':>10}{'never solved':>14}" \
            f"{'(no hint)':>11}{'collapsed':>11}{'rescued':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -145,10 +147,11 @@ def report(rows: list[dict]) -> str:
         spread = f"{r.get('ratio_min', r['ratio']):.2f}-{r.get('ratio_max', r['ratio']):.2f}"
         g, h = r.get("gen_share", math.nan), r.get("hint_share", math.nan)
         split = "-" if math.isnan(g) or math.isnan(h) else f"{100 * g:.0f}/{100 * h:.0f}/{100 * (1 - g - h):.0f}"
+        passes = "{:.1f}+{:.1f}".format(*r["passes"]) if "passes" in r else "-"
         lines.append(f"{r['method']:<20}{r['seconds']:>9.1f}{r['ratio']:>8.2f}{spread:>12}{mark:>13}{r.get('vs_trl', math.nan):>7.2f}{split:>16}"
                      f"{r.get('gen_x', math.nan):>10.2f}{r.get('train_x', math.nan):>12.2f}"
                      f"{r.get('open_x', math.nan):>8.2f}{r.get('per_open_x', math.nan):>9.2f}"
-                     f"{_num(r.get('activation_mb', math.nan), 8, '.2f')}{r['rollouts']:>10.0f}"
+                     f"{_num(r.get('activation_mb', math.nan), 8, '.2f')}{passes:>10}{r['rollouts']:>10.0f}"
                      f"{_num(r['never_solved'], 14)}{_num(r['never_solved_no_hint'], 11)}{r['collapsed']:>11.3f}"
                      f"{r['rescued']:>9.0f}")
     return "\n".join(lines)

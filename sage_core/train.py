@@ -238,6 +238,9 @@ def summarize(history: list[dict], tracker) -> dict[str, float]:
         # where the time went: rolling out (first rollout and re-rolls) and writing hints; the rest is the update
         "gen_seconds": sum(h.get("sage/gen_seconds", 0) or 0 for h in steps),
         "hint_seconds": sum(h.get("sage/hint_seconds", 0) or 0 for h in steps),
+        # sequential generate calls: rollout passes (first rollout + re-roll rounds) and hint-writing passes
+        "rollout_passes": sum(h.get("sage/rollout_passes", 0) or 0 for h in steps),
+        "hint_passes": sum(h.get("sage/hint_passes", 0) or 0 for h in steps),
         # activation memory (measure_activations): the largest step mean of bytes saved for backward per micro-batch
         "activation_mb": max((h["sage/activation_mb"] for h in history if "sage/activation_mb" in h),
                              default=float("nan")),

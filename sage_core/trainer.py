@@ -200,6 +200,7 @@ class SageGRPOTrainer(GRPOTrainer):
     def _sage_generate(self, prompts, rows):
         G, t_start, m = self.num_generations, time.perf_counter(), self._metrics["train"]
         self._hint_seconds, self._counts, self._unasked = 0.0, defaultdict(float), defaultdict(int)
+        self._passes = defaultdict(int)  # sequential generate calls this step, by kind (reroll, hint)
         groups = _groups_by_prompt_id(rows, G)
         if not self._hints_prepared:
             self._prepare_hints()
@@ -256,6 +257,10 @@ class SageGRPOTrainer(GRPOTrainer):
         for key in ("reroll_groups", "reroll_rows", "hint_rows", "lookahead_unasked_rows", "gen_tokens",
                     "train_tokens"):
             m[f"sage/{key}"].append(float(sum(gather_object([self._counts[key]]))))
+        # sequential generation passes (the first rollout, re-roll rounds, hint calls): with vLLM a pass costs about
+        # its longest completion whatever its width, so these, not the rows, set a step's rollout time there
+        m["sage/rollout_passes"].append(float(1 + self._passes["reroll"]))
+        m["sage/hint_passes"].append(float(self._passes["hint"]))
         stats = gather_object([self.scheduler.metrics() if hasattr(self.scheduler, "metrics") else {}])
         for k in stats[0]:
             vals = [d[k] for d in stats if k in d and d[k] == d[k]]
@@ -389,6 +394,7 @@ class SageGRPOTrainer(GRPOTrainer):
         most = max(gather_object([n]))
         if most == 0:
             return [], [], [], None
+        self._passes[kind] += 1  # a generate call on every process (the same count everywhere)
         pad = prompts[0] if prompts else self._pad_prompt()
         ids, _, _ = self._tokenize_prompts(prompts + [pad] * (most - n))
         comp_ids, lps = self._generate_single_turn(ids, None, {}, num_generations=1)

@@ -41,6 +41,9 @@ def test_overhead_bench_ratios_work_and_signal(tiny_model_dir):
     if grpo["open_groups"]:
         assert grpo["open_x"] == 1.0 and sage["open_x"] == sage["open_groups"] / grpo["open_groups"]
         assert sage["per_open_x"] == pytest.approx(sage["ratio"] / sage["open_x"])
+    # sequential generate calls per step: GRPO (both) one rollout pass; SAGE one per level round, plus hint passes
+    assert grpo["passes"] == trl["passes"] == (1.0, 0.0)
+    assert sage["passes"][0] > 1 and sage["passes"][1] >= 1
     # the time split covers rolling out and writing hints (GRPO writes none)
     assert grpo["hint_share"] == 0 and 0 < grpo["gen_share"] < 1
     assert 0 < sage["hint_share"] and sage["gen_share"] + sage["hint_share"] < 1

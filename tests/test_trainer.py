@@ -51,6 +51,7 @@ def test_grpo_on_hard_prompts_collapses(tiny_model_dir, tmp_path):
     assert len(collapsed) == 2 and min(collapsed) >= 0.75
     assert all(h["sage/level_0_frac"] == 1.0 for h in res.log_history if "sage/level_0_frac" in h)
     assert res.summary["rollouts"] == 2 * 4 * 8  # GRPO never re-rolls
+    assert [h["sage/rollout_passes"] for h in res.log_history if "sage/rollout_passes" in h] == [1, 1]
     # its learning signal is the groups that were not collapsed
     assert res.summary["open_groups"] == pytest.approx(4 * sum(1 - c for c in collapsed))
     # work: completion tokens generated and tokens trained; GRPO trains exactly what it rolled out, as TRL counts it
@@ -83,6 +84,9 @@ def test_sage_rescues_collapsed_groups_with_hints(sage_hard):
     assert ((df.rollouts % 8 == 0) & (df.rollouts >= 8) & (df.rollouts <= 8 * (1 + df.max_level_tried))).all()
     assert sum(metric(trainer, "sage/lookahead_unasked_rows")) == 0  # lookahead is off by default
     assert sum(metric(trainer, "sage/rollouts")) == df.rollouts.sum()
+    # one rollout pass for the step's first rollout, then one per level round (teacher hints: no hint passes)
+    assert metric(trainer, "sage/rollout_passes") == [1 + df[df.step == s].max_level_tried.max() for s in (1, 2, 3)]
+    assert metric(trainer, "sage/hint_passes") == [0, 0, 0]
 
 
 def test_loss_sees_hinted_prompt_ids_exactly_for_hinted_groups(sage_hard):
@@ -152,6 +156,12 @@ def test_sage_light_raises_levels_and_resumes(tiny_model_dir, tmp_path):
         if r.pass_rate <= 0.1:
             assert second.loc[pid, "level"] == 1
     assert (second.rollouts == 8).all()  # one rollout per step
+    # one rollout pass per step; online hints for the raised prompts are written in one pass before it (and
+    # resampled in at most hint_retries more passes, only after a leak or an empty hint)
+    assert [h["sage/rollout_passes"] for h in res.log_history if "sage/rollout_passes" in h] == [1, 1]
+    hint_passes = [h["sage/hint_passes"] for h in res.log_history if "sage/hint_passes" in h]
+    asked = (second.level > 0).any() or second.hint_failed.any()
+    assert hint_passes[0] == 0 and (1 <= hint_passes[1] <= 1 + spec.hint_retries) == asked
     # resume: the levels come back from the tracker files, and the run continues from its checkpoint
     trainer = build_trainer(spec.model_copy(update={"max_steps": 3}), tmp_path)
     trainer.restore_state(2)
