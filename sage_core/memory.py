@@ -9,7 +9,7 @@ gradient checkpointing only what the checkpoints keep is counted: the memory tho
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -33,3 +33,18 @@ def saved_bytes(model: nn.Module) -> Iterator[list[int]]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield total
+
+
+def measured(compute_loss: Callable, metrics: dict[str, list]) -> Callable:
+    """Wrap a trainer's `_compute_loss(model, inputs)`: in training, append the forward's saved bytes in MB to
+    metrics["sage/activation_mb"] (a TRL metrics dict, averaged over a step's micro-batches when logged)."""
+
+    def wrapped(model, inputs):
+        if not model.training:
+            return compute_loss(model, inputs)
+        with saved_bytes(model) as saved:
+            loss = compute_loss(model, inputs)
+        metrics["sage/activation_mb"].append(saved[0] / 2**20)
+        return loss
+
+    return wrapped

@@ -242,7 +242,7 @@ def summarize(history: list[dict], tracker) -> dict[str, float]:
         "rollout_passes": sum(h.get("sage/rollout_passes", 0) or 0 for h in steps),
         "hint_passes": sum(h.get("sage/hint_passes", 0) or 0 for h in steps),
         # activation memory (measure_activations): the largest step mean of bytes saved for backward per micro-batch
-        "activation_mb": max((h["sage/activation_mb"] for h in history if "sage/activation_mb" in h),
+        "activation_mb": max((h["sage/activation_mb"] for h in steps if "sage/activation_mb" in h),
                              default=float("nan")),
         "reward": mean("reward"),
         "step_time": mean("step_time"),

@@ -28,7 +28,7 @@ from trl.data_utils import is_conversational
 
 from . import gate
 from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints
-from .memory import saved_bytes
+from .memory import measured
 from .packing import length_buckets
 from .prompts import LEVELS, hinted_problem
 from .reward import completion_text
@@ -141,12 +141,10 @@ class SageGRPOTrainer(GRPOTrainer):
         self._no_grad_rows = ((adv == 0) if adv.dim() == 1 else (adv == 0).all(dim=1)) if (
             exact and self.args.sage_skip_zero_advantage) else None
         try:
-            if not (self.args.sage_measure_activations and model.training):
-                return super()._compute_loss(model, inputs)
-            with saved_bytes(model) as saved:
-                loss = super()._compute_loss(model, inputs)
-            self._metrics["train"]["sage/activation_mb"].append(saved[0] / 2**20)
-            return loss
+            compute = super()._compute_loss
+            if self.args.sage_measure_activations:
+                compute = measured(compute, self._metrics["train"])
+            return compute(model, inputs)
         finally:
             self._no_grad_rows = None
 

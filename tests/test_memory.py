@@ -27,3 +27,18 @@ def test_no_graph_saves_nothing():
     with saved_bytes(lin) as total, torch.no_grad():
         lin(torch.randn(8, 16)).relu()
     assert total[0] == 0
+
+
+def test_measured_logs_training_forwards_only():
+    from collections import defaultdict
+
+    from sage_core.memory import measured
+
+    lin, metrics = nn.Linear(16, 32, bias=False), defaultdict(list)
+    loss = measured(lambda model, x: model(x).square().sum(), metrics)
+    x = torch.randn(4, 16)
+    loss(lin, x).backward()  # saves x (not a parameter) and the linear's output for square
+    assert metrics["sage/activation_mb"] == [(4 * 16 + 4 * 32) * 4 / 2**20]
+    lin.eval()
+    loss(lin, x)
+    assert len(metrics["sage/activation_mb"]) == 1  # evaluation forwards are not training memory
