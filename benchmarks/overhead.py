@@ -12,11 +12,10 @@ ratio to GRPO and the time per such group as a ratio to GRPO's (`s/open x` below
 the split of each method's time between rolling out, writing hints and the update; the activation memory of the
 loss's forward (`act MB`: bytes saved for backward per micro-batch, largest step; sage_core/memory.py); the
 sequential generate calls per step (`passes`, rollout + hint: on vLLM a pass costs about its longest completion
-whatever its width); rollouts spent, and the
-fraction of prompts that never got a correct rollout. Runs of a few seconds are noisy on a shared machine, so each
-repeat runs every method once (in a rotated order), each method's ratio is taken against the GRPO run of the same
-repeat, and the table shows the median ratio with its range. A one-step warm-up of every method comes first and
-is not timed.
+whatever its width); rollouts spent, and the fraction of prompts that never got a correct rollout. Runs of a
+few seconds are noisy on a shared machine, so each repeat runs every method once (in a rotated order), each
+method's ratio is taken against the GRPO run of the same repeat, and the table shows the median ratio with its
+range. A one-step warm-up of every method comes first and is not timed.
 Targets (issue 2): SAGE-LIGHT <= 1.15x GRPO, SAGE <= 1.8x (paper: 1.2x and 2.3x), and a lower never-solved
 fraction with SAGE than with GRPO.
 """
@@ -124,9 +123,9 @@ def _num(v: float, width: int, fmt: str = ".3f") -> str:
 
 
 def report(rows: list[dict]) -> str:
-    head = f"{'method':<20}{'train s':>9}{'x GRPO':>8}{'range':>12}{'target':>13}{'x TRL':>7}{'gen/hint/upd %':>16}" \
-           f"{'gen tok x':>10}{'train tok x':>12}{'open x':>8}{'s/open x':>9}{'act MB':>8}{'passes':>10}{'rollouts':>10}{'never solved':>14}" \
-           f"{'(no hint)':>11}{'collapsed':>11}{'rescued':>9}"
+    head = (f"{'method':<20}{'train s':>9}{'x GRPO':>8}{'range':>12}{'target':>13}{'x TRL':>7}"
+            f"{'gen/hint/upd %':>16}{'gen tok x':>10}{'train tok x':>12}{'open x':>8}{'s/open x':>9}{'act MB':>8}"
+            f"{'passes':>10}{'rollouts':>10}{'never solved':>14}{'(no hint)':>11}{'collapsed':>11}{'rescued':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         target = TARGETS.get(r["method"])
@@ -135,7 +134,8 @@ def report(rows: list[dict]) -> str:
         g, h = r.get("gen_share", math.nan), r.get("hint_share", math.nan)
         split = "-" if math.isnan(g) or math.isnan(h) else f"{100 * g:.0f}/{100 * h:.0f}/{100 * (1 - g - h):.0f}"
         passes = "{:.1f}+{:.1f}".format(*r["passes"]) if "passes" in r else "-"
-        lines.append(f"{r['method']:<20}{r['seconds']:>9.1f}{r['ratio']:>8.2f}{spread:>12}{mark:>13}{r.get('vs_trl', math.nan):>7.2f}{split:>16}"
+        lines.append(f"{r['method']:<20}{r['seconds']:>9.1f}{r['ratio']:>8.2f}{spread:>12}{mark:>13}"
+                     f"{r.get('vs_trl', math.nan):>7.2f}{split:>16}"
                      f"{r.get('gen_x', math.nan):>10.2f}{r.get('train_x', math.nan):>12.2f}"
                      f"{r.get('open_x', math.nan):>8.2f}{r.get('per_open_x', math.nan):>9.2f}"
                      f"{_num(r.get('activation_mb', math.nan), 8, '.2f')}{passes:>10}{r['rollouts']:>10.0f}"
