@@ -44,11 +44,12 @@ DETAIL_COLUMNS = ["step", "prompt_id", "problem", "answer", "difficulty", "base_
                   "max_level_tried", "pass_rate", "rescued", "hint", "hint_l1", "hint_l2", "hint_l3", "acc_l1",
                   "acc_l2", "acc_l3", "leak_l1", "leak_l2", "leak_l3", "hint_failed", "rollouts", "completions",
                   "rewards", "method"]
-GATE_METRICS = ["sage/frac_all_zero", "sage/frac_all_one", "sage/frac_rescued", "sage/adv_energy"]
+GATE_METRICS = ["sage/frac_all_zero", "sage/frac_all_one", "sage/frac_rescued", "sage/frac_open", "sage/adv_energy"]
 METRIC_LABELS = {
     "sage/frac_all_zero": "collapsed all-0 (before hints)",
     "sage/frac_all_one": "collapsed all-1 (before hints)",
     "sage/frac_rescued": "rescued by hints",
+    "sage/frac_open": "open gate, trained (after hints)",
     "sage/adv_energy": "advantage energy",
     "sage/frac_collapsed": "collapsed before hints",
 }

@@ -521,6 +521,7 @@ class SageGRPOTrainer(GRPOTrainer):
         m["sage/rescued_groups"].append(float(sum(r["rescued"] for r in recs)))
         # groups trained with an open gate (mixed rewards: a non-zero advantage), whatever the level
         m["sage/open_groups"].append(float(sum(not gate.collapsed(r["rewards"]) for r in recs)))
+        m["sage/frac_open"].append(m["sage/open_groups"][-1] / n)
         hinted = [r for r in recs if r["max_level_tried"] > 0 and r["first_level"] == 0]
         m["sage/rescue_rate"].append(sum(r["rescued"] for r in hinted) / len(hinted) if hinted else float("nan"))
         for lvl in (0, *LEVELS):

@@ -119,6 +119,7 @@ def step_metrics(df: pd.DataFrame, G: int) -> dict[str, float]:
         "sage/frac_all_zero": float((state == "all0").mean()),
         "sage/frac_all_one": float((state == "all1").mean()),
         "sage/frac_rescued": float(df["rescued"].mean()),
+        "sage/frac_open": float(((pr > 0) & (pr < 1)).mean()),
         "sage/hint_failed": float(df["hint_failed"].mean()),
         "sage/hint_leaks": float(df[["leak_l1", "leak_l2", "leak_l3"]].sum().sum()),
         "sage/adv_energy": float((pr * (1 - pr)).mean()),

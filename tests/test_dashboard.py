@@ -148,7 +148,7 @@ def test_real_run_gate_page_shows_the_logged_means(monkeypatch, real_store):
     rid = real_store["run_id"]
     logged = {k: [m.value for m in c.get_metric_history(rid, k)]
               for k in ("sage/frac_collapsed", "sage/frac_all_zero", "sage/frac_all_one", "sage/frac_rescued",
-                        "sage/adv_energy")}
+                        "sage/frac_open", "sage/adv_energy")}
     assert all(len(v) == 2 for v in logged.values()), logged  # max_steps=2: one value per step
 
     at = _ok(_app(monkeypatch, real_store["uri"]).run())
@@ -158,6 +158,7 @@ def test_real_run_gate_page_shows_the_logged_means(monkeypatch, real_store):
     assert shown["All-0 groups"] == f"{np.mean(logged['sage/frac_all_zero']):.3f}"
     assert shown["All-1 groups"] == f"{np.mean(logged['sage/frac_all_one']):.3f}"
     assert shown["Rescued by hints"] == f"{np.mean(logged['sage/frac_rescued']):.3f}"
+    assert shown["Open after hints"] == f"{np.mean(logged['sage/frac_open']):.3f}"
     assert shown["Advantage energy"] == f"{np.mean(logged['sage/adv_energy']):.3f}"
     assert shown["Group size G"] == "4"
     # the gate-open rate is computed from the tracker files: check it against them

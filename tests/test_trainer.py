@@ -80,6 +80,7 @@ def test_sage_rescues_collapsed_groups_with_hints(sage_hard):
     open_groups = df.rewards.apply(lambda r: 0 < sum(r) < len(r))
     assert sum(metric(trainer, "sage/open_groups")) == open_groups.sum() == (df.base_state == "mixed").sum() + len(
         rescued)
+    assert metric(trainer, "sage/frac_open") == [open_groups[df.step == s].mean() for s in (1, 2, 3)]
     # re-rolls are per collapsed group: G more rollouts per level tried (fewer when a level had no usable hint)
     assert ((df.rollouts % 8 == 0) & (df.rollouts >= 8) & (df.rollouts <= 8 * (1 + df.max_level_tried))).all()
     assert sum(metric(trainer, "sage/lookahead_unasked_rows")) == 0  # lookahead is off by default

@@ -42,17 +42,20 @@ else:
         summary.append({"run": ctx.label(r), "steps": int(h["step"].nunique()),
                         "collapsed before hints": coll,
                         "all-0": means.get("sage/frac_all_zero"), "all-1": means.get("sage/frac_all_one"),
-                        "rescued": means.get("sage/frac_rescued"), "adv energy": means.get("sage/adv_energy")})
+                        "rescued": means.get("sage/frac_rescued"), "open after hints": means.get("sage/frac_open"),
+                        "adv energy": means.get("sage/adv_energy")})
     first = summary[0]
     st.subheader("Means over steps" + (f" · {first['run']}" if len(picked) > 1 else ""))
-    cols = st.columns(5)
+    cols = st.columns(6)
     fmt = lambda v: "n/a" if v is None or pd.isna(v) else f"{v:.3f}"
     cols[0].metric("Collapsed before hints", fmt(first["collapsed before hints"]),
                    help="mean over steps of sage/frac_collapsed (all-0 + all-1)")
     cols[1].metric("All-0 groups", fmt(first["all-0"]), help="mean of sage/frac_all_zero")
     cols[2].metric("All-1 groups", fmt(first["all-1"]), help="mean of sage/frac_all_one")
     cols[3].metric("Rescued by hints", fmt(first["rescued"]), help="mean of sage/frac_rescued")
-    cols[4].metric("Advantage energy", fmt(first["adv energy"]), help="mean of sage/adv_energy")
+    cols[4].metric("Open after hints", fmt(first["open after hints"]),
+                   help="mean of sage/frac_open: groups trained with mixed rewards, the ones that carry gradient")
+    cols[5].metric("Advantage energy", fmt(first["adv energy"]), help="mean of sage/adv_energy")
     if len(picked) > 1:
         st.dataframe(pd.DataFrame(summary), hide_index=True, key="gate_summary")
 
