@@ -1,5 +1,5 @@
-"""GPU smoke benchmark: a few training steps of GRPO, SAGE-LIGHT and SAGE with vLLM colocate on one GPU, and one
-table of rollout tokens/s and step time per method, with the ratio to GRPO.
+"""GPU smoke benchmark: a few training steps of GRPO, TRL's own GRPOTrainer (`trl-grpo`), SAGE-LIGHT and SAGE with
+vLLM colocate on one GPU, and one table of rollout tokens/s and step time per method, with the ratio to GRPO.
 
     python benchmarks/gpu_smoke.py                      # the tiny model built offline (sage_core.models)
     python benchmarks/gpu_smoke.py --model /models/Qwen2.5-0.5B-Instruct --set max_completion_length=256
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-METHODS = ("grpo", "sage-light", "sage")
+METHODS = ("grpo", "trl-grpo", "sage-light", "sage")  # trl-grpo: TRL's own GRPOTrainer on the same spec
 METRICS_FILE = "smoke_metrics.json"
 EXIT_NO_GPU = 3
 
@@ -127,14 +127,17 @@ def bf16_copy_of_tiny(dst: Path) -> Path:
 
 
 def run_one(method: str, args: argparse.Namespace) -> dict:
+    import torch
+
     from sage_core import cli, models
+    from sage_core.memory import measured
     from sage_core.presets import preset
-    from sage_core.train import train
+    from sage_core.train import build_trl_grpo_trainer, train
 
     out = Path(args.out).resolve()
-    fields = {"method": method, "use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization":
-              args.gpu_mem, "max_steps": args.steps, "save_steps": 10 * args.steps, "bf16": True, "seed": args.seed,
-              "measure_activations": True}
+    fields = {"method": "grpo" if method == "trl-grpo" else method, "use_vllm": True, "vllm_mode": "colocate",
+              "vllm_gpu_memory_utilization": args.gpu_mem, "max_steps": args.steps, "save_steps": 10 * args.steps,
+              "bf16": True, "seed": args.seed, "measure_activations": True}
     if args.model == "tiny":
         copy = bf16_copy_of_tiny(out / "tiny-bf16")
         models.tiny_model_path = lambda *a, **k: copy  # load_policy("tiny") and vLLM both read the copy
@@ -145,15 +148,21 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     spec = preset("tiny-cpu", **fields)
     run_dir = out / method
     shutil.rmtree(run_dir, ignore_errors=True)
-    import torch
-
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    result = train(spec, run_dir, callbacks=[], resume=False)
-    m = step_metrics(result.log_history)
+    if method == "trl-grpo":  # no sage/* metrics: rollouts per step are the batch, rollout time is not logged
+        trainer = build_trl_grpo_trainer(spec, run_dir)
+        trainer._compute_loss = measured(trainer._compute_loss, trainer._metrics["train"])
+        trainer.train()
+        m = step_metrics(trainer.state.log_history)
+        m["rollouts"] = float(spec.prompts_per_step * spec.num_generations)
+        global_step = trainer.state.global_step
+    else:
+        result = train(spec, run_dir, callbacks=[], resume=False)
+        m, global_step = step_metrics(result.log_history), result.global_step
     m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30  # training and the colocated vLLM engine together
     m["wall_s"] = time.perf_counter() - t0
-    m["global_step"] = float(result.global_step)
+    m["global_step"] = float(global_step)
     (run_dir / METRICS_FILE).write_text(json.dumps({"method": method, "metrics": m, "spec": spec.model_dump()},
                                                    indent=2))
     return m
