@@ -77,7 +77,7 @@ def step_metrics(history: list[dict], skip_first: bool = True) -> dict[str, floa
     tok_s = rollouts * mean_len / gen_s if gen_s and gen_s > 0 else float("nan")
     return {"steps": float(len(steps)), "step_s": step_s, "gen_s": gen_s, "rollouts": rollouts,
             "mean_len": mean_len, "tok_s": tok_s, "reward": _mean([h.get("reward") for h in steps]),
-            "act_mb": max((float(h["sage/activation_mb"]) for h in steps if h.get("sage/activation_mb") is not None),
+            "act_mb": max((float(v) for h in steps if (v := h.get("sage/activation_mb")) is not None),
                           default=float("nan"))}
 
 
