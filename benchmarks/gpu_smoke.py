@@ -130,7 +130,6 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     import torch
 
     from sage_core import cli, models
-    from sage_core.memory import measured
     from sage_core.presets import preset
     from sage_core.train import build_trl_grpo_trainer, train
 
@@ -152,7 +151,6 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     if method == "trl-grpo":  # no sage/* metrics: rollouts per step are the batch, rollout time is not logged
         trainer = build_trl_grpo_trainer(spec, run_dir)
-        trainer._compute_loss = measured(trainer._compute_loss, trainer._metrics["train"])
         trainer.train()
         m = step_metrics(trainer.state.log_history)
         m["rollouts"] = float(spec.prompts_per_step * spec.num_generations)

@@ -46,14 +46,11 @@ def run_trl_grpo(spec) -> dict:
     """Stock trl.GRPOTrainer: its time, and the same work and signal counts from TRL's own metrics."""
     from transformers import set_seed
 
-    from sage_core.memory import measured
     from sage_core.train import build_trl_grpo_trainer
 
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
         set_seed(spec.seed)
         trainer = build_trl_grpo_trainer(spec, Path(out))
-        if spec.measure_activations:  # the same count as SageGRPOTrainer's, around TRL's own loss
-            trainer._compute_loss = measured(trainer._compute_loss, trainer._metrics["train"])
         trainer.train()
     history = trainer.state.log_history
     steps = [h for h in history if "frac_reward_zero_std" in h]

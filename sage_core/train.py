@@ -139,14 +139,19 @@ def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
 
 def build_trl_grpo_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
     """TRL's own GRPOTrainer on the spec's config, data, model and reward: the baseline a user would otherwise run
-    (no scheduler, no tracker, no sage/* metrics, every row trained on one padded tensor)."""
+    (no scheduler, no tracker, no sage/* metrics but sage/activation_mb when the spec measures activations, every
+    row trained on one padded tensor)."""
     from trl import GRPOTrainer
 
+    from .memory import measured
     from .reward import boxed_reward
 
     args, dataset, model, tokenizer = _trainer_inputs(spec, output_dir)
-    return GRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
-                       processing_class=tokenizer, callbacks=list(callbacks))
+    trainer = GRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=list(callbacks))
+    if spec.measure_activations:  # the same count as SageGRPOTrainer's, around TRL's own loss
+        trainer._compute_loss = measured(trainer._compute_loss, trainer._metrics["train"])
+    return trainer
 
 
 def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
