@@ -210,12 +210,15 @@ class _Pool:
         for _ in range(size):
             self.idle.put(None)  # a slot; the worker is started lazily
 
+    @staticmethod
+    def _started(worker: _Worker | None) -> _Worker:
+        """A slot's worker, started when the slot is empty or its worker died."""
+        return worker if worker is not None and worker.alive else _Worker()
+
     def verify(self, pred: str, gold: str, timeout: float) -> float:
-        slot = self.idle.get()
-        worker = slot
+        worker = self.idle.get()
         try:
-            if worker is None or not worker.alive:
-                worker = _Worker()
+            worker = self._started(worker)
             result = worker.verify(pred, gold, timeout)
             if result is None:
                 logger.warning("reward: math-verify timed out after %.1fs on %r; scoring 0", timeout, pred[:80])
@@ -233,8 +236,7 @@ class _Pool:
         """Start one idle slot's worker (blocks while it imports sympy and math-verify, about a second)."""
         worker = self.idle.get()
         try:
-            if worker is None or not worker.alive:
-                worker = _Worker()
+            worker = self._started(worker)
         except Exception as e:  # started lazily on first use instead, as before
             logger.warning("reward: worker did not start (%s)", e)
             worker = None
