@@ -227,25 +227,28 @@ def summarize(history: list[dict], tracker) -> dict[str, float]:
         vals = [h[key] for h in steps if h.get(key) is not None and h[key] == h[key]]
         return sum(vals) / len(vals) if vals else float("nan")
 
+    def total(key):
+        return sum(h.get(key, 0) or 0 for h in steps)
+
     return {
         "never_solved": tracker.never_solved(),
         "never_solved_no_hint": tracker.never_solved_no_hint(),
         "prompts_seen": float(len(tracker.seen)),
         "frac_collapsed": mean("sage/frac_collapsed"),
         "frac_rescued": mean("sage/frac_rescued"),
-        "rescued": sum(h.get("sage/rescued_groups", 0) or 0 for h in steps),
-        "rollouts": sum(h.get("sage/rollouts", 0) or 0 for h in steps),
+        "rescued": total("sage/rescued_groups"),
+        "rollouts": total("sage/rollouts"),
         # work done, machine-independent: completion tokens generated (rollouts, re-rolls, hints) and tokens trained
-        "gen_tokens": sum(h.get("sage/gen_tokens", 0) or 0 for h in steps),
-        "train_tokens": sum(h.get("sage/train_tokens", 0) or 0 for h in steps),
+        "gen_tokens": total("sage/gen_tokens"),
+        "train_tokens": total("sage/train_tokens"),
         # learning signal: trained groups whose gate was open (mixed rewards), summed over steps
-        "open_groups": sum(h.get("sage/open_groups", 0) or 0 for h in steps),
+        "open_groups": total("sage/open_groups"),
         # where the time went: rolling out (first rollout and re-rolls) and writing hints; the rest is the update
-        "gen_seconds": sum(h.get("sage/gen_seconds", 0) or 0 for h in steps),
-        "hint_seconds": sum(h.get("sage/hint_seconds", 0) or 0 for h in steps),
+        "gen_seconds": total("sage/gen_seconds"),
+        "hint_seconds": total("sage/hint_seconds"),
         # sequential generate calls: rollout passes (first rollout + re-roll rounds) and hint-writing passes
-        "rollout_passes": sum(h.get("sage/rollout_passes", 0) or 0 for h in steps),
-        "hint_passes": sum(h.get("sage/hint_passes", 0) or 0 for h in steps),
+        "rollout_passes": total("sage/rollout_passes"),
+        "hint_passes": total("sage/hint_passes"),
         # activation memory (measure_activations): the largest step mean of bytes saved for backward per micro-batch
         "activation_mb": max((h["sage/activation_mb"] for h in steps if "sage/activation_mb" in h),
                              default=float("nan")),
