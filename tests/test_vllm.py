@@ -1,0 +1,120 @@
+"""SAGE on vLLM: TRL's colocate path, the one the GPU presets use, run for real on vLLM's CPU build.
+
+Skipped where vLLM is not installed (`make test` runs it in its own venv: `make test-vllm`, see the Makefile).
+One module fixture trains online-hint SAGE for two steps with use_vllm=True; the tests check what only the vLLM path
+can get wrong: the engine generates from the policy's current weights, the hinted re-rolls are scored in the
+context vLLM sampled them from, and hint writing switches vLLM's sampling settings and restores them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm runs these tests in .venv-vllm)")
+
+from sage_core.presets import preset
+from sage_core.prompts import HINT_HEADER
+from sage_core.tracker import read_tracker
+from sage_core.train import build_trainer
+
+# vLLM's names for the tiny Qwen2's unfused weights (q, k, v and gate, up are fused in the engine)
+SYNCED = ("model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight", "model.layers.3.mlp.down_proj.weight",
+          "model.layers.1.input_layernorm.weight")
+
+
+class _Snapshot(TrainerCallback):
+    """The policy's weights at the end of each optimizer step."""
+
+    def __init__(self, model):
+        self.model, self.after = model, {}
+
+    def on_step_end(self, args, state, control, **kw):
+        params = dict(self.model.named_parameters())
+        self.after[state.global_step] = {k: params[k].detach().clone() for k in SYNCED}
+
+
+@pytest.fixture(scope="module")
+def sage_vllm(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sage_vllm")
+    spec = preset("tiny-cpu", method="sage", num_prompts=16, max_steps=2, use_vllm=True,
+                  vllm_gpu_memory_utilization=0.1, save_steps=100)
+    trainer = build_trainer(spec, out)
+    initial = {k: p.detach().clone() for k, p in trainer.model.named_parameters() if k in SYNCED}
+    snap = _Snapshot(trainer.model)
+    trainer.add_callback(snap)
+    calls, seen = [], []
+    roll, loss = trainer._roll, trainer._compute_loss
+
+    def spy_roll(prompts, kind="reroll"):  # vLLM's sampling settings at each generate call, and what came back
+        gen = trainer.vllm_generation
+        ids, comp_ids, comps, lps = roll(prompts, kind)
+        calls.append(dict(kind=kind, rows=len(prompts), temperature=gen.temperature,
+                          max_tokens=gen.max_completion_length, lengths=[len(c) for c in comp_ids],
+                          logprobs=lps is not None))
+        return ids, comp_ids, comps, lps
+
+    def spy_loss(model, inputs):
+        seen.append(trainer.processing_class.batch_decode(inputs["prompt_ids"], skip_special_tokens=True))
+        return loss(model, inputs)
+
+    trainer._roll, trainer._compute_loss = spy_roll, spy_loss
+    trainer.train()
+    engine = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    in_engine = {k: p.detach().clone() for k, p in engine.named_parameters() if k in SYNCED}
+    return dict(trainer=trainer, out=out, spec=spec, initial=initial, after=snap.after, engine=in_engine,
+                calls=calls, seen=seen)
+
+
+def _metric(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def test_engine_generates_from_the_policy_weights_of_the_step(sage_vllm):
+    """TRL syncs the policy into vLLM before each step's first generation: after two steps the engine holds the
+    weights the first update produced (vLLM's CPU build would have dropped them without sage_core.vllm_cpu)."""
+    initial, after, engine = sage_vllm["initial"], sage_vllm["after"], sage_vllm["engine"]
+    assert set(engine) == set(SYNCED) and sorted(after) == [1, 2]
+    moved = [k for k in SYNCED if not torch.equal(after[1][k], initial[k])]
+    assert moved, "the first update should change the policy"
+    for k in SYNCED:
+        want = after[1][k]
+        got = engine[k][tuple(slice(0, n) for n in want.shape)]  # vLLM pads the vocabulary to a multiple of 64
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=0)
+        assert not torch.equal(got, initial[k]) or k not in moved
+
+
+def test_hinted_rerolls_are_trained_in_the_context_vllm_sampled_them_from(sage_vllm):
+    trainer, out, seen = sage_vllm["trainer"], sage_vllm["out"], sage_vllm["seen"]
+    df = read_tracker(out / "tracker")
+    assert (df.base_state == "all0").any(), "the tiny task should collapse some groups"
+    assert (df[df.base_state == "all0"].max_level_tried >= 1).all()
+    G = sage_vllm["spec"].num_generations
+    # the loss sees the hint exactly on the rows of the groups trained at a level
+    assert [sum(HINT_HEADER in p for p in batch) for batch in seen] == [
+        G * int((df[df.step == s].level > 0).sum()) for s in (1, 2)]
+    # vLLM's sampling log-probs against the trainer's on the same rows: the hinted rows were recomputed on the
+    # prompt vLLM saw (a hint missing on either side moves these by far more), so the importance ratio stays near 1
+    diffs = _metric(trainer, "sampling/sampling_logp_difference/mean")
+    ratios = _metric(trainer, "sampling/importance_sampling_ratio/mean")
+    assert len(diffs) == len(ratios) == 2
+    assert max(diffs) < 0.02 and all(abs(r - 1) < 0.05 for r in ratios)
+
+
+def test_hint_writing_switches_vllm_sampling_and_restores_it(sage_vllm):
+    trainer, calls, spec = sage_vllm["trainer"], sage_vllm["calls"], sage_vllm["spec"]
+    hints = [c for c in calls if c["kind"] == "hint" and c["rows"]]
+    rerolls = [c for c in calls if c["kind"] == "reroll" and c["rows"]]
+    assert hints and rerolls
+    assert all(c["temperature"] == spec.hint_temperature and c["max_tokens"] == spec.hint_max_tokens for c in hints)
+    assert all(max(c["lengths"]) <= spec.hint_max_tokens for c in hints)
+    # re-rolls sample like the first rollout, with vLLM's log-probs, whatever hint call came before them
+    assert all(c["temperature"] == spec.temperature and c["max_tokens"] == spec.max_completion_length
+               and c["logprobs"] for c in rerolls)
+    assert max(n for c in rerolls for n in c["lengths"]) <= spec.max_completion_length
+    assert trainer.vllm_generation.temperature == spec.temperature
+    assert trainer.vllm_generation.max_completion_length == spec.max_completion_length
+    # the pass counts the trainer logs are the generate calls that ran
+    assert sum(_metric(trainer, "sage/hint_passes")) == len(hints)
+    assert sum(_metric(trainer, "sage/rollout_passes")) == 2 + len(rerolls)
