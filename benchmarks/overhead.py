@@ -52,12 +52,13 @@ def run_trl_grpo(spec) -> dict:
     """Stock trl.GRPOTrainer: its time, and the same work and signal counts from TRL's own metrics."""
     from transformers import set_seed
 
-    from sage_core.train import build_trl_grpo_trainer
+    from sage_core.train import build_trl_grpo_trainer, release_vllm
 
     with tempfile.TemporaryDirectory() as out, _quiet():
         set_seed(spec.seed)
         trainer = build_trl_grpo_trainer(spec, Path(out))
         trainer.train()
+        release_vllm(trainer)  # with use_vllm: free the engine for the next method's
     history = trainer.state.log_history
     steps = [h for h in history if "frac_reward_zero_std" in h]
     rows, nan = spec.prompts_per_step * spec.num_generations, math.nan

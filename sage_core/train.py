@@ -206,8 +206,24 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     summary = summarize(history, trainer.tracker)
     summary["wall_seconds"] = wall
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    release_vllm(trainer)
     return TrainResult(output_dir, final, Path(trainer.args.tracker_dir), trainer.state.global_step, wall,
                        summary, history)
+
+
+def release_vllm(trainer) -> None:
+    """Shut a colocated vLLM engine down once every rank is done with it. vLLM's teardown destroys its process
+    groups and the default one; left to interpreter exit it runs after shutdown_distributed has destroyed the
+    default group, and every rank prints 'ValueError: Invalid process group specified'. It also frees the engine's
+    memory for whatever runs next in this process (another method of a benchmark, say)."""
+    import torch.distributed as dist
+
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)  # colocate mode (server mode: a client)
+    if llm is None:
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    llm.llm_engine.engine_core.shutdown()
 
 
 def shutdown_distributed() -> None:

