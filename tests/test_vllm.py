@@ -1,6 +1,7 @@
 """SAGE on vLLM: TRL's colocate path, the one the GPU presets use, run for real on vLLM's CPU build.
 
 Skipped where vLLM is not installed (`make test` runs it in its own venv: `make test-vllm`, see the Makefile).
+No-hint evaluation through vLLM: tests/test_vllm_eval.py.
 One module fixture trains online-hint SAGE for two steps with use_vllm=True; the tests check what only the vLLM path
 can get wrong: the engine generates from the policy's current weights, the hinted re-rolls are scored in the
 context vLLM sampled them from, and hint writing switches vLLM's sampling settings and restores them.
@@ -17,7 +18,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm runs t
 from sage_core.presets import preset
 from sage_core.prompts import HINT_HEADER
 from sage_core.tracker import read_tracker
-from sage_core.train import build_trainer
+from sage_core.train import build_trainer, release_vllm
 
 # vLLM's names for the tiny Qwen2's unfused weights (q, k, v and gate, up are fused in the engine)
 SYNCED = ("model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight", "model.layers.3.mlp.down_proj.weight",
@@ -63,8 +64,9 @@ def sage_vllm(tiny_model_dir, tmp_path_factory):
     trainer.train()
     engine = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
     in_engine = {k: p.detach().clone() for k, p in engine.named_parameters() if k in SYNCED}
-    return dict(trainer=trainer, out=out, spec=spec, initial=initial, after=snap.after, engine=in_engine,
-                calls=calls, seen=seen)
+    yield dict(trainer=trainer, out=out, spec=spec, initial=initial, after=snap.after, engine=in_engine,
+               calls=calls, seen=seen)
+    release_vllm(trainer)  # this module's later tests start engines of their own
 
 
 def _metric(trainer, key):
@@ -180,3 +182,4 @@ def test_two_ranks_with_an_engine_each_agree_and_exit_cleanly(tiny_model_dir, tm
     steps = [h for h in r0["history"] if "sage/frac_collapsed" in h]
     assert len(steps) == 2 and all(h["sage/rollout_passes"] >= 1 for h in steps)
     assert len(sorted((tmp_path / "tracker").glob("step_*.parquet"))) == 2  # written once, by rank 0
+

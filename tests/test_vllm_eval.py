@@ -1,0 +1,35 @@
+"""No-hint evaluation through vLLM (sage_core.evaluate, use_vllm=True), on vLLM's CPU build; skipped where vLLM is not
+installed (`make test-vllm`)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm runs these tests in .venv-vllm)")
+
+from sage_core.presets import preset
+
+
+def test_eval_on_vllm_reads_prompts_with_the_models_own_tokenizer(tiny_model_dir, monkeypatch):
+    """No-hint eval through vLLM agrees with the HF path, greedy: vLLM gets token ids from the tokenizer the trainer
+    uses (its own AutoTokenizer load reads the tiny word-level tokenizer as a Qwen2Tokenizer with other ids)."""
+    from transformers import AutoTokenizer
+
+    from sage_core.data import build_dataset
+    from sage_core.evaluate import _generate_vllm, generate_hf, render_prompt
+    from sage_core.models import load_policy
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: starts faster
+
+    msgs = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}]
+    model, tok = load_policy("tiny")
+    auto = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert auto.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"] != tok.apply_chat_template(
+        msgs, add_generation_prompt=True)["input_ids"]  # why vLLM must not tokenize the text itself
+    rows = list(build_dataset(preset("tiny-cpu", num_prompts=16, difficulty="easy")))
+    hf = generate_hf(model, tok, [render_prompt(tok, r) for r in rows], k=1, temperature=0.0, max_new_tokens=40)
+    vl = _generate_vllm("tiny", {"easy": rows}, k=1, temperature=0.0, top_p=1.0, max_new_tokens=40, seed=0,
+                        gguf_file=None, gpu_memory_utilization=0.1)["easy"]
+    same = sum(a == b for a, b in zip(hf, vl, strict=True))
+    assert same >= 14, list(zip(hf, vl))  # float32 on both sides; a near-tie may tip a greedy token
+    assert any("\\boxed" in c[0] for c in vl)
