@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+from helpers import metric
 
 from sage_core.data import build_dataset
 from sage_core.hints import write_hints, write_reference_hints
@@ -39,10 +40,6 @@ def sage_hard(tiny_model_dir, tmp_path_factory):
     trainer._compute_loss = spy
     trainer.train()
     return trainer, out, seen
-
-
-def metric(trainer, key):
-    return [h[key] for h in trainer.state.log_history if key in h]
 
 
 def test_grpo_on_hard_prompts_collapses(tiny_model_dir, tmp_path):
