@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .data import DataError
+
 EXIT_USAGE = 2
 
 
@@ -400,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except SpecError as e:
+    except (SpecError, DataError) as e:  # a bad spec or data source: the message says what, no traceback
         print(f"sage {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -24,6 +24,14 @@ from . import prompts
 
 logger = logging.getLogger(__name__)
 
+
+class DataError(ValueError):
+    """A data source that cannot be turned into rows; the message names the source and what is wrong with it."""
+
+
+class MissingDataFile(DataError, FileNotFoundError):
+    """A data file that does not exist."""
+
 # ----------------------------------------------------------------------------------------------------------------
 # Synthetic task
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,30 +228,62 @@ def _read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
     suffix = path.suffix.lower()
     if suffix in (".parquet", ".jsonl", ".json") or path.is_file():
         if not path.exists():
-            raise FileNotFoundError(f"data file not found: {path.resolve()}")
+            raise MissingDataFile(f"data file not found: {path.resolve()}")
         if suffix == ".parquet":
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
-            return pq.read_table(path).to_pylist(), str(path.resolve())
-        text = path.read_text(encoding="utf-8")
+            try:
+                return pq.read_table(path).to_pylist(), str(path.resolve())
+            except pa.ArrowException as e:
+                raise DataError(f"{path.resolve()}: not a readable Parquet file ({e})") from e
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path.resolve()}: not UTF-8 text ({e})") from e
         if suffix == ".jsonl" or (suffix != ".json" and not text.lstrip().startswith(("[", "{\""))):
-            return [json.loads(line) for line in text.splitlines() if line.strip()], str(path.resolve())
-        data = json.loads(text)
+            return _json_lines(text, path.resolve()), str(path.resolve())
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path.resolve()}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
         if isinstance(data, Mapping):
             for key in (split, "data", "rows", "train"):
                 if isinstance(data.get(key), list):
                     data = data[key]
                     break
             else:
-                raise ValueError(f"{path.resolve()}: a JSON object needs a list under '{split}', 'data' or 'rows'")
+                raise DataError(f"{path.resolve()}: a JSON object needs a list under '{split}', 'data' or 'rows'")
         if not isinstance(data, list):
-            raise ValueError(f"{path.resolve()}: expected a list of records")
+            raise DataError(f"{path.resolve()}: expected a list of records")
         return data, str(path.resolve())
     import datasets
+    import datasets.exceptions
 
     # a local dataset folder or an HF dataset name (the latter needs the network unless cached)
-    ds = datasets.load_dataset(str(path) if path.is_dir() else source, split=split)
+    try:
+        ds = datasets.load_dataset(str(path) if path.is_dir() else source, split=split)
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:  # no such name, offline, no such split
+        what = "the local dataset folder" if path.is_dir() else "no such local file or folder; as a Hugging Face dataset"
+        raise DataError(f"{source}: {what}, split {split!r} does not load ({e.__class__.__name__}: {e})") from e
     return [dict(r) for r in ds], (str(path.resolve()) if path.is_dir() else source)
+
+
+def _json_lines(text: str, path: Path) -> list[dict[str, Any]]:
+    """One JSON object per non-blank line; the first bad line is named (1-based) with what it starts with."""
+    records = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: line {lineno} is not valid JSON ({e.msg} at column {e.colno}): "
+                            f"{line.strip()[:80]!r}") from e
+        if not isinstance(record, Mapping):
+            raise DataError(f"{path}: line {lineno} is a JSON {type(record).__name__}, not an object with columns")
+        records.append(record)
+    return records
 
 
 def _get_nested(record: Mapping[str, Any], dotted: str) -> Any:
@@ -266,12 +306,13 @@ def _normalise_prompt(prompt: Any, system_prompt: str | None) -> list[dict[str, 
 
 def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
                       system_prompt: str | None = None) -> list[dict[str, Any]]:
-    """Records with any of the accepted column names -> rows in the schema. Raises ValueError on missing columns
-    (naming the column, the source and the columns found) and on duplicated prompt ids."""
+    """Records with any of the accepted column names -> rows in the schema. Raises DataError (a ValueError) on
+    missing columns (naming the column, the source and the columns found), malformed prompts and duplicated prompt
+    ids; rows are counted from 0."""
     records = [_to_py(dict(r)) for r in records]
     columns = sorted({k for r in records for k in r})
     if not records:
-        raise ValueError(f"{source}: no rows")
+        raise DataError(f"{source}: no rows")
 
     def first(r: Mapping[str, Any], names: Iterable[str]) -> Any:
         for name in names:
@@ -282,10 +323,10 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
 
     has_prompt = any(c in columns for c in ("prompt", *PROBLEM_ALIASES))
     if not has_prompt:
-        raise ValueError(f"{source}: missing column 'prompt' (or 'problem'/'question'); columns found: {columns}")
+        raise DataError(f"{source}: missing column 'prompt' (or 'problem'/'question'); columns found: {columns}")
     answer_cols = (*ANSWER_ALIASES, "reward_model.ground_truth")
     if not any(c in columns for c in ANSWER_ALIASES) and _get_nested(records[0], "reward_model.ground_truth") is None:
-        raise ValueError(f"{source}: missing column 'answer' (or {', '.join(ANSWER_ALIASES[1:])}); "
+        raise DataError(f"{source}: missing column 'answer' (or {', '.join(ANSWER_ALIASES[1:])}); "
                          f"columns found: {columns}")
     rows, no_solution = [], 0
     for i, r in enumerate(records):
@@ -293,18 +334,22 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
         problem = first(r, PROBLEM_ALIASES)
         if _is_missing(prompt) or prompt == "" or (isinstance(prompt, list) and not prompt):
             if problem is None:
-                raise ValueError(f"{source}: row {i} has neither 'prompt' nor 'problem'/'question'; "
+                raise DataError(f"{source}: row {i} has neither 'prompt' nor 'problem'/'question'; "
                                  f"columns found: {columns}")
             prompt = str(problem)
-        chat = _normalise_prompt(prompt, system_prompt)
+        try:
+            chat = _normalise_prompt(prompt, system_prompt)
+        except (KeyError, TypeError) as e:
+            raise DataError(f"{source}: row {i}: 'prompt' must be a string or a list of {{role, content}} messages, "
+                            f"got {str(prompt)[:80]!r}") from e
         if problem is None:
             users = [m["content"] for m in chat if m["role"] == "user"]
             if not users:
-                raise ValueError(f"{source}: row {i}: the prompt has no user turn")
+                raise DataError(f"{source}: row {i}: the prompt has no user turn")
             problem = users[-1]
         answer = first(r, answer_cols)
         if answer is None:
-            raise ValueError(f"{source}: row {i} has no 'answer' (or {', '.join(ANSWER_ALIASES[1:])}); "
+            raise DataError(f"{source}: row {i} has no 'answer' (or {', '.join(ANSWER_ALIASES[1:])}); "
                              f"columns found: {columns}")
         if isinstance(answer, float) and answer.is_integer():
             answer = int(answer)
@@ -337,7 +382,7 @@ def _check_unique(rows: list[dict[str, Any]], source: str) -> None:
         seen[r["prompt_id"]] = seen.get(r["prompt_id"], 0) + 1
     dups = [k for k, c in seen.items() if c > 1]
     if dups:
-        raise ValueError(f"{source}: {len(dups)} duplicated prompt ids (groups are keyed by prompt id), "
+        raise DataError(f"{source}: {len(dups)} duplicated prompt ids (groups are keyed by prompt id), "
                          f"e.g. {dups[:5]}; give each row a unique 'prompt_id'/'id'/'index'")
 
 
@@ -407,7 +452,7 @@ def eval_rows(spec: Any):
         records, name = _read_records(spec.data, spec.data_split)
         rest = records[spec.num_prompts:spec.num_prompts + n]
         if not rest:
-            raise ValueError(f"{name}: no rows left for evaluation after the first {spec.num_prompts} training rows")
+            raise DataError(f"{name}: no rows left for evaluation after the first {spec.num_prompts} training rows")
         return to_dataset(normalise_records(rest, name, system))
     last: Exception | None = None
     for split in ("test", "validation"):
@@ -415,4 +460,4 @@ def eval_rows(spec: Any):
             return load_rows(spec.data, split=split, limit=n, system_prompt=system)
         except (ValueError, KeyError) as e:  # the split does not exist
             last = e
-    raise ValueError(f"{spec.data}: no 'test' or 'validation' split for evaluation ({last})")
+    raise DataError(f"{spec.data}: no 'test' or 'validation' split for evaluation ({last})")

@@ -95,6 +95,15 @@ def test_train_validation_error_exits_before_importing_train(capsys, monkeypatch
     assert rc == 2 and "num_generations: Input should be greater than or equal to 2" in err
 
 
+def test_train_with_bad_data_exits_2_naming_the_file_and_line(capsys, tmp_path):
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text('{"problem": "p", "answer": "1"}\n{"problem": "q"\n')
+    rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", f"data={bad}", "--output-dir",
+                         str(tmp_path / "out"))
+    assert rc == 2 and err.startswith(f"sage train: {bad}: line 2 is not valid JSON") and "Traceback" not in err
+    assert not (tmp_path / "out" / "train_result.json").exists()
+
+
 def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
     """`sage train` hands the built spec, the output dir and resume to sage_core.train.train and writes
     train_result.json (the file sage_core.launch reads back)."""

@@ -208,8 +208,32 @@ def test_synthetic_source_and_missing_file(tmp_path):
     ds = load_rows("synthetic", n=12, difficulty="hard", seed=3)
     assert len(ds) == 12 and set(ds["difficulty"]) <= {3, 4}
     assert ds["prompt_id"][0] == "syn-3-0"
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="data file not found"):  # also a DataError
         load_rows(str(tmp_path / "nope.parquet"))
+
+
+@pytest.mark.parametrize("name,content,needle", [
+    ("lines.jsonl", '{"problem": "p", "answer": "1"}\n\n{"problem": "q", answer: 2}\n',
+     r"line 3 is not valid JSON .*'\{\"problem\": \"q\", answer: 2\}'"),
+    ("list.jsonl", '{"problem": "p", "answer": "1"}\n[1, 2]\n', "line 2 is a JSON list, not an object"),
+    ("broken.json", '[{"problem": "p",\n "answer": }]', "not valid JSON at line 2 column"),
+    ("chat.jsonl", '{"prompt": [["user", "hi"]], "answer": "1"}\n', "row 0: 'prompt' must be a string or a list"),
+    ("table.parquet", "not parquet", "not a readable Parquet file"),
+])
+def test_malformed_files_name_the_file_and_the_place(tmp_path, name, content, needle):
+    path = tmp_path / name
+    path.write_text(content)
+    before = path.read_bytes()
+    with pytest.raises(data.DataError, match=needle) as e:
+        load_rows(str(path))
+    assert str(path) in str(e.value)
+    assert path.read_bytes() == before  # the input is only read
+
+
+def test_an_unknown_dataset_name_offline_is_a_data_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no local folder of that name
+    with pytest.raises(data.DataError, match="no_such_dataset: no such local file or folder; as a Hugging Face"):
+        load_rows("no_such_dataset")
 
 
 def test_build_dataset_and_held_out_eval_rows():
