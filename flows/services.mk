@@ -31,7 +31,6 @@ demo: install
 	$(SERVICES) up
 	$(SERVICES) run $(DEMO_DEPLOYMENT) $(DEMO_ARGS)
 	$(SERVICES) report --experiment hint-study-$(notdir $(DEMO_DEPLOYMENT))
-	@echo "Dashboard: make dashboard  ->  http://127.0.0.1:$(DASHBOARD_PORT)   (make down stops the services)"
 
 dashboard:
 	SAGE_HOME="$(SAGE_HOME)" $(BIN)/streamlit run dashboards/app.py --server.headless true \
