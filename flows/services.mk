@@ -34,7 +34,8 @@ demo: install
 
 dashboard:
 	SAGE_HOME="$(SAGE_HOME)" $(BIN)/streamlit run dashboards/app.py --server.headless true \
-	  --server.address 127.0.0.1 --server.port $(DASHBOARD_PORT) --browser.gatherUsageStats false
+	  --server.address 127.0.0.1 --server.port $(DASHBOARD_PORT) --browser.gatherUsageStats false \
+	  --client.toolbarMode viewer
 
 mlflow-ui:
 	$(SERVICES) mlflow-ui
