@@ -222,7 +222,7 @@ def _is_missing(v: Any) -> bool:
         return False
 
 
-def _read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
+def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
     """Records of a .parquet/.jsonl/.json file, a local dataset dir or an HF dataset name, and a display name."""
     path = Path(source).expanduser()
     suffix = path.suffix.lower()
@@ -410,7 +410,7 @@ def load_rows(source: str, split: str = "train", limit: int | None = None, syste
         return to_dataset(rows)
     if kwargs:
         raise TypeError(f"unexpected arguments for source {source!r}: {sorted(kwargs)}")
-    records, name = _read_records(source, split)
+    records, name = read_records(source, split)
     if limit is not None:
         records = records[:limit]
     return to_dataset(normalise_records(records, name, system_prompt))
@@ -449,7 +449,7 @@ def eval_rows(spec: Any):
         return to_dataset(rows)
     path = Path(spec.data).expanduser()
     if path.is_file():
-        records, name = _read_records(spec.data, spec.data_split)
+        records, name = read_records(spec.data, spec.data_split)
         rest = records[spec.num_prompts:spec.num_prompts + n]
         if not rest:
             raise DataError(f"{name}: no rows left for evaluation after the first {spec.num_prompts} training rows")

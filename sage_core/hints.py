@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import DataError, MissingDataFile, json_lines
+from .data import DataError, MissingDataFile, read_records
 from .prompts import LEVELS, chat, hint_request
 
 log = logging.getLogger(__name__)
@@ -256,12 +256,7 @@ def _local_model_generate(path: str) -> GenerateFn:
 def read_hints(path: Path) -> dict[tuple[str, int], str]:
     """Read a hints file: rows with prompt_id, level (1..3) and hint. Bad rows raise a DataError naming the row
     (counted from 0) or, for a line that is not JSON, the line (counted from 1)."""
-    if path.suffix == ".parquet":
-        import pandas as pd
-
-        records = pd.read_parquet(path).to_dict("records")
-    else:
-        records = json_lines(path.read_text(encoding="utf-8"), path)
+    records, _ = read_records(str(path), "hints")  # .jsonl, .json or .parquet, with the data loader's errors
     hints = {}
     for i, rec in enumerate(records):
         missing = {"prompt_id", "level", "hint"} - set(rec)

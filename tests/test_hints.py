@@ -146,3 +146,15 @@ def test_local_model_teacher_writes_greedy_guarded_cached_hints(tiny_model_dir):
     other = TeacherHints(str(tiny_model_dir), max_new_tokens=48)  # greedy: a second teacher writes the same hints
     again = other.get([q for q, _ in written], ctx)
     assert sum(a.text == r.text for a, (_, r) in zip(again, written, strict=True)) >= len(written) - 1
+
+
+def test_hints_parquet_reads_back_and_a_corrupt_one_is_a_data_error(tmp_path):
+    import pandas as pd
+
+    good = tmp_path / "hints.parquet"
+    pd.DataFrame([{"prompt_id": "a", "level": 1, "hint": "x"}]).to_parquet(good)
+    assert read_hints(good) == {("a", 1): "x"}
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet")
+    with pytest.raises(DataError, match="not a readable Parquet file"):
+        read_hints(bad)
