@@ -122,6 +122,8 @@ class RolloutBudget(TrainerCallback):
 
 def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
     """What every trainer of a spec is built from: its config, data set, model and tokenizer."""
+    import torch
+
     from .data import build_dataset
     from .models import load_policy
     from .reward import warm_pool_in_background
@@ -136,7 +138,9 @@ def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
                          f"{spec.prompts_per_step}; raise num_prompts (or use a larger data set) or lower "
                          "prompts_per_step")
     warm_pool_in_background()
-    model, tokenizer = load_policy(spec.model, spec.gguf_file)
+    # float32 master weights, as TRL loads them (transformers 5 would load a bf16 checkpoint in bf16, where AdamW
+    # steps of lr 1e-6 round to nothing); bf16 compute comes from args.bf16 (autocast), vLLM reads the config
+    model, tokenizer = load_policy(spec.model, spec.gguf_file, dtype=torch.float32)
     return args, dataset, model, tokenizer
 
 

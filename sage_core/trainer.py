@@ -55,11 +55,11 @@ class SageConfig(GRPOConfig):
         "help": "run the loss's forward on buckets of rows of similar length, each trimmed of shared padding"})
     sage_skip_zero_advantage: bool = field(default=True, metadata={
         "help": "forward zero-advantage rows without a graph (no backward) when that is exact: beta 0, no entropy "
-                "bonus; needs sage_length_buckets"})
+                "bonus; needs sage_length_buckets (so not under ZeRO-3/FSDP)"})
     sage_bucket_overhead: int | None = field(default=None, metadata={
         "help": "a forward's fixed cost in token slots: a bucket is split off only when it saves more padding. None: "
-                "256 on CPU (measured), 2048 on CUDA, 16384 when parameters are sharded (ZeRO-3/FSDP gather them "
-                "for every forward); the last two are estimates, not measured"})
+                "256 on CPU (measured), 2048 on CUDA (an estimate, not measured). With ZeRO-3/FSDP there are no "
+                "buckets: the bucket count differs between ranks, and each forward gathers parameters collectively"})
     sage_measure_activations: bool = field(default=False, metadata={
         "help": "log sage/activation_mb, the bytes the loss's forward saves for backward per micro-batch (a saved-"
                 "tensor hook; off by default so it never meets torch.compile)"})
@@ -103,6 +103,7 @@ class SageGRPOTrainer(GRPOTrainer):
         self.tracker = PromptTracker(a.tracker_dir, write=self.accelerator.is_main_process)
         if a.sage_bucket_overhead is None:
             a.sage_bucket_overhead = _bucket_overhead(self)
+        self._sharded = _params_sharded(self)  # ZeRO-3/FSDP: the loss's forward runs TRL's own loop (no buckets)
         if any(isinstance(f, nn.Module) for f in self.reward_funcs):
             raise ValueError("SageGRPOTrainer scores re-rolls locally: reward_funcs must be Python callables")
         if self.tools:
@@ -153,8 +154,10 @@ class SageGRPOTrainer(GRPOTrainer):
         """TRL's forward, on buckets of rows of similar length, each trimmed of the padding all its rows share
         (sage_core.packing), zero-advantage rows in buckets of their own run without a graph (see _compute_loss);
         the log-probs and entropies come back in row order, in the same (B, C) shape."""
+        # sharded parameters: bucket counts depend on each rank's rows, and a rank running one forward more than
+        # another would wait forever in that forward's parameter all-gather; TRL's loop runs the same count
         plain = (not self.args.sage_length_buckets or compute_aux_loss or input_ids.size(0) < 2
-                 or any(v is not None for v in multimodal.values()))
+                 or any(v is not None for v in multimodal.values()) or self._sharded)
         if plain:
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                               batch_size, compute_entropy, compute_aux_loss,
@@ -566,10 +569,13 @@ def _groups_by_prompt_id(rows: list[dict], G: int) -> list[tuple[str, list[int]]
 
 def _bucket_overhead(trainer) -> int:
     """Default per-forward overhead of the loss's length buckets, in token slots (see SageConfig)."""
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if trainer.is_fsdp_enabled or (trainer.is_deepspeed_enabled and getattr(plugin, "zero_stage", 0) == 3):
-        return 16384
     return 2048 if trainer.accelerator.device.type == "cuda" else 256
+
+
+def _params_sharded(trainer) -> bool:
+    """ZeRO-3 or FSDP: every forward gathers parameters collectively, so all ranks must run the same forwards."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return bool(trainer.is_fsdp_enabled or (trainer.is_deepspeed_enabled and getattr(plugin, "zero_stage", 0) == 3))
 
 
 def _seen(tries: list[Try]) -> list[tuple[int, list[float]]]:

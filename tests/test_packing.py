@@ -103,6 +103,29 @@ def test_bucketed_forward_gives_the_loss_the_same_logps_entropies_and_gradients(
     assert sum(s[0] * s[1] for s in calls1) < ids.shape[0] * ids.shape[1]
 
 
+def test_with_sharded_parameters_the_loss_runs_trls_forwards_on_every_rank(tiny_model_dir, tmp_path):
+    """ZeRO-3/FSDP gather parameters in every forward, collectively: a rank whose rows split into one bucket more
+    than another's would hang. With sharded parameters the forward is TRL's own loop (batch_size rows at a time),
+    the same count on every rank, whatever the rows' lengths and advantages."""
+    from sage_core.presets import preset
+    from sage_core.train import build_trainer
+
+    trainer = build_trainer(preset("tiny-cpu", method="grpo", num_prompts=8, prompts_per_step=2, max_steps=1),
+                            tmp_path)
+    assert trainer._sharded is False  # one CPU process
+    ids, mask, C, _ = _padded_batch(trainer.processing_class, np.random.default_rng(0))
+    model, calls, plain_forward = trainer.model, [], trainer.model.forward
+    model.forward = lambda *a, **k: calls.append(k["input_ids"].shape) or plain_forward(*a, **k)
+    trainer.args.sage_bucket_overhead = 16
+    trainer._no_grad_rows = torch.tensor([True, False, True, False, True, False])
+    trainer._get_per_token_logps_and_entropies(model, ids, mask, C, batch_size=4)
+    assert len(calls) > 2  # unsharded: buckets by length and by advantage
+    calls.clear()
+    trainer._sharded = True
+    trainer._get_per_token_logps_and_entropies(model, ids, mask, C, batch_size=4)
+    assert calls == [(4, ids.size(1)), (2, ids.size(1))]  # TRL's loop: rows 0-3, then 4-5, full width
+
+
 def test_zero_advantage_rows_skip_their_backward_and_the_loss_gradient_is_unchanged(tiny_model_dir, tmp_path):
     from sage_core.presets import preset
     from sage_core.train import build_trainer
