@@ -15,12 +15,13 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
 install: $(VENV)/.installed
 
-# torch: the CPU wheel unless a GPU is visible (then the default CUDA build from the index).
+# torch: the CPU wheel unless a GPU is visible (then the default CUDA build from the index). Never the `gpu` extra
+# here: vLLM 0.31 pins fastapi<0.137 and prefect needs >=0.139 (docs/gpu.md, Known gaps); vLLM gets its own venv.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  $(BIN)/pip install -q -e '.[dev,gguf,gpu]'; \
+	  $(BIN)/pip install -q -e '.[dev,gguf]'; \
 	else \
 	  $(BIN)/pip install -q torch==2.13.0 && $(BIN)/pip install -q -e '.[dev,gguf]'; \
 	fi
