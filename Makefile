@@ -20,11 +20,10 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  $(BIN)/pip install -q -e '.[dev,gguf]'; \
-	else \
-	  $(BIN)/pip install -q torch==2.13.0 && $(BIN)/pip install -q -e '.[dev,gguf]'; \
+	if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then \
+	  $(BIN)/pip install -q torch==2.13.0; \
 	fi
+	$(BIN)/pip install -q -e '.[dev,gguf]'
 	touch $@
 
 # vLLM's CPU build (0.31, the newest TRL 1.16 supports) in a venv of its own, with the trainer's dependencies only:
