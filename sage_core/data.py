@@ -242,7 +242,7 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
         except UnicodeDecodeError as e:
             raise DataError(f"{path.resolve()}: not UTF-8 text ({e})") from e
         if suffix == ".jsonl" or (suffix != ".json" and not text.lstrip().startswith(("[", "{\""))):
-            return json_lines(text, path.resolve()), str(path.resolve())
+            return _json_lines(text, path.resolve()), str(path.resolve())
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -269,7 +269,7 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
     return [dict(r) for r in ds], (str(path.resolve()) if path.is_dir() else source)
 
 
-def json_lines(text: str, path: Path | str) -> list[dict[str, Any]]:
+def _json_lines(text: str, path: Path | str) -> list[dict[str, Any]]:
     """One JSON object per non-blank line; the first bad line is named (1-based) with what it starts with."""
     records = []
     for lineno, line in enumerate(text.splitlines(), 1):
