@@ -332,7 +332,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             if res.ok and res.result:
                 tracking.log_summary(res.result.get("summary") or {}, run_id=run_id)
             tracking.finish_run(run_id, status="FINISHED" if res.ok else "FAILED")
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: $SAGE_TRAIN_VENV lacks accelerate/vllm
         raise SpecError(str(e)) from None
     return res.returncode
 

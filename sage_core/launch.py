@@ -6,6 +6,9 @@ Two layouts (see docs/gpu.md):
 - **server**: `vllm serve` on GPU 0 (or the first `server_gpus` GPUs, tensor parallel), training on the rest;
   the trainer reaches the server at `vllm_server_base_url` and pushes weights over NCCL (port 51216).
 
+`accelerate` and `vllm` come from `$SAGE_TRAIN_VENV` when it is set: the flows' venv (Prefect) cannot hold vLLM
+0.31 (fastapi pins), so the GPU stack lives in a venv of its own (docs/gpu.md, Install).
+
 Nothing here imports torch or vllm at module import; the command builders are pure functions so they are
 unit-tested on CPU (tests/test_launch.py). `launch()` runs the commands as subprocesses and streams their logs;
 the Prefect flows call it for the GPU presets.
@@ -87,12 +90,46 @@ def default_config(num_processes: int) -> str:
     return "single_gpu" if num_processes == 1 else "zero3"
 
 
-def _accelerate_bin() -> str:
-    """The `accelerate` script of this interpreter's environment (a Prefect worker's PATH may not have it)."""
-    here = Path(sys.executable).with_name("accelerate")
+TRAIN_VENV_ENV = "SAGE_TRAIN_VENV"  # the trainer venv (`.[gpu]`: accelerate, vllm) when it is not this one
+
+
+def train_venv() -> Path | None:
+    """`$SAGE_TRAIN_VENV`: the venv the ranks and `vllm serve` run from, when the caller (the Prefect worker's
+    `.[app]` venv) cannot hold vLLM (docs/gpu.md, Install). None when unset."""
+    venv = os.environ.get(TRAIN_VENV_ENV)
+    return Path(venv).expanduser() if venv else None
+
+
+def _venv_script(name: str) -> str:
+    """The console script `name` (`accelerate`, `vllm`) that the ranks and the server run.
+
+    `$SAGE_TRAIN_VENV` set: `$SAGE_TRAIN_VENV/bin/<name>`, and an error naming that path when it is not an
+    executable file (no fallback: another venv's vLLM or accelerate would be the wrong one). Unset: the script
+    next to this interpreter (a Prefect worker's PATH may not have its venv's bin), else PATH, else the name."""
+    venv = train_venv()
+    if venv is not None:
+        path = venv / "bin" / name
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise FileNotFoundError(
+                f"{TRAIN_VENV_ENV}={os.environ[TRAIN_VENV_ENV]}: no executable {path}; build the trainer venv "
+                f"(`make gpu-venv`: pip install -e '.[gpu]'), or unset {TRAIN_VENV_ENV} to run this interpreter's "
+                f"`{name}`")
+        return str(path)
+    here = Path(sys.executable).with_name(name)
     if here.exists():
         return str(here)
-    return shutil.which("accelerate") or "accelerate"
+    return shutil.which(name) or name
+
+
+def _with_train_venv(env: dict[str, str]) -> dict[str, str]:
+    """`env` as an activated `$SAGE_TRAIN_VENV` would have it (its bin first on PATH, VIRTUAL_ENV), so what the
+    ranks and the server start by name (DeepSpeed's JIT calls `ninja`) comes from the trainer venv too."""
+    venv = train_venv()
+    if venv is None:
+        return env
+    path = env.get("PATH")
+    return {**env, "VIRTUAL_ENV": str(venv),
+            "PATH": str(venv / "bin") + (os.pathsep + path if path else "")}
 
 
 def accelerate_command(spec: RunSpec, *, config: str = "zero3", num_processes: int, spec_path: str | os.PathLike,
@@ -105,7 +142,7 @@ def accelerate_command(spec: RunSpec, *, config: str = "zero3", num_processes: i
         raise ValueError(f"config 'single_gpu' runs one process, got num_processes={num_processes}; "
                          "use 'zero3', 'fsdp' or 'multi_gpu'")
     check_divisible(spec, num_processes)
-    cmd = [_accelerate_bin(), "launch", "--config_file", str(path), "--num_processes", str(num_processes)]
+    cmd = [_venv_script("accelerate"), "launch", "--config_file", str(path), "--num_processes", str(num_processes)]
     if main_process_port is not None:
         cmd += ["--main_process_port", str(main_process_port)]
     cmd += ["-m", "sage_core.cli", "train", "--spec", str(spec_path), "--output-dir", str(output_dir),
@@ -117,13 +154,14 @@ def vllm_server_command(model: str, tp: int = 1, port: int = 8000, gpu_mem: floa
                         max_model_len: int | None = None, dtype: str = "auto",
                         extra_args: Sequence[str] = ()) -> list[str]:
     """`vllm serve MODEL ...` with the flags TRL 1.16's VLLMClient needs. Run it with `vllm_server_env(...)`
-    (VLLM_SERVER_DEV_MODE=1 exposes the weight-transfer and prefix-cache endpoints)."""
+    (VLLM_SERVER_DEV_MODE=1 exposes the weight-transfer and prefix-cache endpoints). `vllm` is the trainer
+    venv's script (`_venv_script`), as for `accelerate`."""
     if tp < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
     if not 0.0 < gpu_mem <= 1.0:
         raise ValueError(f"gpu_mem must be in (0, 1], got {gpu_mem}")
-    cmd = ["vllm", "serve", model, "--host", host, "--port", str(port), "--tensor-parallel-size", str(tp),
-           "--data-parallel-size", "1", "--gpu-memory-utilization", str(gpu_mem), "--dtype", dtype]
+    cmd = [_venv_script("vllm"), "serve", model, "--host", host, "--port", str(port),
+           "--tensor-parallel-size", str(tp), "--data-parallel-size", "1", "--gpu-memory-utilization", str(gpu_mem), "--dtype", dtype]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
     return cmd + list(TRL_VLLM_SERVER_FLAGS) + list(extra_args)
@@ -253,7 +291,9 @@ def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId] 
          server_gpu_mem: float = 0.9, main_process_port: int | None = None,
          env: Mapping[str, str] | None = None, mlflow_run_id: str | None = None) -> LaunchPlan:
     """Build the commands without running anything. `gpus` defaults to the visible GPUs. With `mlflow_run_id`
-    the ranks log into that MLflow run (SAGE_MLFLOW_RUN_ID, read by sage_core.tracking.callback_from_env)."""
+    the ranks log into that MLflow run (SAGE_MLFLOW_RUN_ID, read by sage_core.tracking.callback_from_env). With
+    `$SAGE_TRAIN_VENV` set, `accelerate` and `vllm` are that venv's scripts and both run with its bin first on
+    PATH (FileNotFoundError, naming the path, when it lacks one)."""
     ids = list(gpus) if gpus is not None else visible_gpus()
     layout = plan_layout(spec, len(ids), vllm_mode=vllm_mode, server_gpus=server_gpus, gpu_ids=ids)
     out = Path(output_dir).resolve()
@@ -269,7 +309,7 @@ def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId] 
     cfg = config or default_config(layout.num_processes)
     train_cmd = accelerate_command(run_spec, config=cfg, num_processes=layout.num_processes, spec_path=spec_path,
                                    output_dir=out, main_process_port=main_process_port)
-    base = dict(os.environ if env is None else env)
+    base = _with_train_venv(dict(os.environ if env is None else env))
     train_env = {**base, "CUDA_VISIBLE_DEVICES": ",".join(map(str, layout.train_gpus))}
     if mlflow_run_id:
         train_env.update(SAGE_MLFLOW_RUN_ID=mlflow_run_id, SAGE_OUTPUT_DIR=str(out))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,12 +167,15 @@ def test_eval_argument_errors(capsys):
         cli.main(["eval", "--benchmark", "a=x"])  # --model is required (argparse exits 2)
 
 
-def test_launch_dry_run_prints_commands(capsys, tmp_path):
+def test_launch_dry_run_prints_commands(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("SAGE_TRAIN_VENV", raising=False)
     rc, out, _ = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "8", "--vllm-mode", "server",
                          "--set", "prompts_per_step=112", "--output-dir", str(tmp_path), "--dry-run")
     assert rc == 0
     lines = [s for s in out.splitlines() if not s.startswith("#")]
-    assert lines[0].startswith("CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-7B-Instruct")
+    # `vllm`, or a path to it: $SAGE_TRAIN_VENV's, this interpreter's venv's or PATH's (sage_core.launch._venv_script)
+    assert re.match(r"CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 (\S*/)?vllm serve Qwen/Qwen2\.5-7B-Instruct ",
+                    lines[0]), lines[0]
     assert lines[1].startswith("CUDA_VISIBLE_DEVICES=1,2,3,4,5,6,7 ")
     assert "--num_processes 7 -m sage_core.cli train --spec" in lines[1]
     assert not (tmp_path / "launch_spec.json").exists()  # dry run writes nothing

@@ -18,6 +18,12 @@ REQUIRED_KEYS = {"compute_environment", "distributed_type", "mixed_precision", "
                  "machine_rank", "use_cpu"}
 
 
+@pytest.fixture(autouse=True)
+def _no_train_venv(monkeypatch):
+    """The commands below are this interpreter's unless a test sets $SAGE_TRAIN_VENV itself."""
+    monkeypatch.delenv(L.TRAIN_VENV_ENV, raising=False)
+
+
 @pytest.mark.parametrize("name", L.ACCELERATE_CONFIGS)
 def test_accelerate_yaml_loads_with_required_keys(name):
     path = L.config_path(name)
@@ -83,7 +89,7 @@ def test_config_dir_env_override(tmp_path, monkeypatch):
 
 def test_vllm_server_command_has_trl_flags():
     cmd = L.vllm_server_command("Qwen/Qwen2.5-7B-Instruct", tp=2, port=8001, gpu_mem=0.85, max_model_len=4096)
-    assert cmd[:3] == ["vllm", "serve", "Qwen/Qwen2.5-7B-Instruct"]
+    assert Path(cmd[0]).name == "vllm" and cmd[1:3] == ["serve", "Qwen/Qwen2.5-7B-Instruct"]
 
     def flag(f):
         return cmd[cmd.index(f) + 1]
@@ -164,7 +170,7 @@ def test_plan_server_mode_rewrites_spec_and_envs(tmp_path):
     # prompt 2048 + hint 1024 + template margin 256 + completion 8192
     assert p.server_cmd[p.server_cmd.index("--max-model-len") + 1] == str(2048 + 1024 + 256 + 8192)
     shell = p.shell()
-    assert shell.splitlines()[0].startswith("CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 vllm serve")
+    assert shell.splitlines()[0].startswith(f"CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 {p.server_cmd[0]} serve")
     assert "'{\"backend\": \"nccl\"}'" in shell
 
 
@@ -277,3 +283,84 @@ def test_visible_gpus_keeps_cuda_visible_devices_entries(monkeypatch, tmp_path):
     assert p.server_env["CUDA_VISIBLE_DEVICES"] == "GPU-aaa" and p.train_env["CUDA_VISIBLE_DEVICES"] == "GPU-bbb"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert L.visible_gpus() == []
+
+
+# ----------------------------------------------------------------------------------- $SAGE_TRAIN_VENV
+def _fake_bin(folder: Path, *names: str, mode: int = 0o755) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        f = folder / name
+        f.write_text("#!/bin/sh\n")
+        f.chmod(mode)
+    return folder
+
+
+def test_train_venv_scripts_run_the_ranks_and_the_server(tmp_path, monkeypatch):
+    """$SAGE_TRAIN_VENV set: `accelerate` and `vllm` are that venv's, even where this interpreter's venv has its
+    own, and both processes get the venv's bin first on PATH (DeepSpeed's JIT runs `ninja` by name)."""
+    venv = tmp_path / "venv-gpu"
+    _fake_bin(venv / "bin", "accelerate", "vllm")
+    _fake_bin(tmp_path / "app" / "bin", "python", "accelerate", "vllm")
+    monkeypatch.setattr(L.sys, "executable", str(tmp_path / "app" / "bin" / "python"))
+    monkeypatch.setenv(L.TRAIN_VENV_ENV, str(venv))
+    spec = preset("qwen2.5-7b", prompts_per_step=112)
+    cmd = L.accelerate_command(spec, config="zero3", num_processes=8, spec_path="s", output_dir="o")
+    assert cmd[:2] == [str(venv / "bin" / "accelerate"), "launch"]
+    assert L.vllm_server_command("m")[:3] == [str(venv / "bin" / "vllm"), "serve", "m"]
+    p = L.plan(spec, tmp_path / "run", gpus=list(range(8)), vllm_mode="server",
+               env={"PATH": "/usr/bin:/bin", "VIRTUAL_ENV": "/opt/venv", "A": "1"})
+    assert p.train_cmd[0] == str(venv / "bin" / "accelerate")
+    assert p.server_cmd[0] == str(venv / "bin" / "vllm")
+    for env in (p.train_env, p.server_env):
+        assert env["PATH"] == f"{venv / 'bin'}:/usr/bin:/bin" and env["VIRTUAL_ENV"] == str(venv)
+        assert env["A"] == "1"
+    shell = p.shell().splitlines()
+    assert shell[0].startswith(f"CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 {venv}/bin/vllm serve ")
+    assert f"{venv}/bin/accelerate launch" in shell[1]
+
+
+def test_train_venv_without_the_script_is_an_error_naming_it(tmp_path, monkeypatch):
+    """No silent fallback to this interpreter's or PATH's scripts: the error names the missing path."""
+    venv = tmp_path / "venv-gpu"
+    _fake_bin(venv / "bin", "accelerate")
+    _fake_bin(tmp_path / "app" / "bin", "python", "vllm")
+    monkeypatch.setattr(L.sys, "executable", str(tmp_path / "app" / "bin" / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "app" / "bin"))
+    monkeypatch.setenv(L.TRAIN_VENV_ENV, str(venv))
+    missing = str(venv / "bin" / "vllm")
+    with pytest.raises(FileNotFoundError, match=missing):
+        L.vllm_server_command("m")
+    with pytest.raises(FileNotFoundError, match=missing):
+        L.plan(preset("qwen2.5-7b", prompts_per_step=112), tmp_path / "run", gpus=list(range(8)), vllm_mode="server")
+    assert L.plan(preset("qwen2.5-7b"), tmp_path / "run", gpus=[0]).train_cmd[0] == str(venv / "bin" / "accelerate")
+    _fake_bin(venv / "bin", "vllm", mode=0o644)  # there, but not executable
+    with pytest.raises(FileNotFoundError, match=missing):
+        L.vllm_server_command("m")
+    monkeypatch.setenv(L.TRAIN_VENV_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere" / "bin" / "accelerate")):
+        L.accelerate_command(RunSpec(), config="single_gpu", num_processes=1, spec_path="s", output_dir="o")
+
+
+def test_train_venv_error_is_a_usage_error_in_the_cli(tmp_path, monkeypatch, capsys):
+    from sage_core import cli
+
+    monkeypatch.setenv(L.TRAIN_VENV_ENV, str(tmp_path / "nowhere"))
+    rc = cli.main(["launch", "--preset", "qwen2.5-7b", "--gpus", "1", "--dry-run", "--output-dir", str(tmp_path)])
+    assert rc == 2 and str(tmp_path / "nowhere" / "bin" / "accelerate") in capsys.readouterr().err
+
+
+def test_scripts_without_train_venv_next_to_the_interpreter_then_path(tmp_path, monkeypatch):
+    """$SAGE_TRAIN_VENV unset: this interpreter's venv first (a worker's PATH may lack it), then PATH, then the
+    bare name; the environments are left as given."""
+    app, other = tmp_path / "app" / "bin", tmp_path / "other" / "bin"
+    _fake_bin(app, "python", "accelerate")
+    _fake_bin(other, "accelerate", "vllm")
+    monkeypatch.setattr(L.sys, "executable", str(app / "python"))
+    monkeypatch.setenv("PATH", str(other))
+    assert L._venv_script("accelerate") == str(app / "accelerate")
+    assert L._venv_script("vllm") == str(other / "vllm")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert L._venv_script("vllm") == "vllm"
+    p = L.plan(preset("qwen2.5-7b", prompts_per_step=112), tmp_path / "run", gpus=[0, 1], vllm_mode="server",
+               env={"PATH": "/bin"})
+    assert p.train_env["PATH"] == p.server_env["PATH"] == "/bin" and "VIRTUAL_ENV" not in p.train_env
