@@ -430,6 +430,29 @@ def build_dataset(spec: Any):
     return load_rows(spec.data, split=spec.data_split, limit=spec.num_prompts, system_prompt=system)
 
 
+def prompt_lengths(prompts_: list, tokenizer) -> list[int]:
+    """Token counts of policy prompts as the trainer tokenizes them: chat prompts through the chat template with
+    the generation prompt (TRL's `_tokenize_prompts`), plain strings as they are."""
+    out = []
+    for p in prompts_:
+        if isinstance(p, str):
+            out.append(len(tokenizer(p)["input_ids"]))
+        else:
+            enc = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
+            out.append(len(enc["input_ids"]))
+    return out
+
+
+def drop_long_prompts(dataset, tokenizer, max_len: int):
+    """(rows whose prompt fits in `max_len` tokens, [(prompt_id, length)] of the rows dropped). A longer prompt
+    (its hint not counted: the context has room for it) would not fit vLLM's context; dropping it at load, as
+    verl's filter_overlong_prompts does, keeps it from failing one rank mid-run while the others wait."""
+    lengths = prompt_lengths(dataset["prompt"], tokenizer)
+    keep = [i for i, n in enumerate(lengths) if n <= max_len]
+    dropped = [(str(dataset[i]["prompt_id"]), n) for i, n in enumerate(lengths) if n > max_len]
+    return (dataset.select(keep) if dropped else dataset), dropped
+
+
 EVAL_SEED_OFFSET = 100_003
 
 

@@ -63,7 +63,9 @@ class RunSpec(BaseModel):
     measure_activations: bool = Field(False, description="log sage/activation_mb: the bytes the loss's forward saves "
                                                          "for backward per micro-batch (the activation memory)")
     learning_rate: float = Field(1e-4, gt=0.0)
-    max_prompt_length: int | None = Field(None, description="longest prompt incl. hint (sizes vLLM's context)")
+    max_prompt_length: int | None = Field(None, ge=1, description="longest prompt in tokens, hint not counted: longer "
+                                          "rows are left out at load; with hint_max_tokens, the hint header and "
+                                          "max_completion_length it sizes vLLM's context")
     max_completion_length: int = Field(40, ge=1)
     temperature: float = Field(1.0, gt=0.0)
     epsilon: float = 0.2

@@ -141,7 +141,31 @@ def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
     # float32 master weights, as TRL loads them (transformers 5 would load a bf16 checkpoint in bf16, where AdamW
     # steps of lr 1e-6 round to nothing); bf16 compute comes from args.bf16 (autocast), vLLM reads the config
     model, tokenizer = load_policy(spec.model, spec.gguf_file, dtype=torch.float32)
+    if spec.max_prompt_length:
+        dataset = _drop_long_prompts(spec, dataset, tokenizer, output_dir)
     return args, dataset, model, tokenizer
+
+
+def _drop_long_prompts(spec: RunSpec, dataset, tokenizer, output_dir: str | Path):
+    """Rows whose prompt is longer than spec.max_prompt_length tokens are left out of training; their ids and
+    lengths go to `<output_dir>/dropped_prompts.json` (the data file itself is only read)."""
+    from .data import DataError, drop_long_prompts
+
+    kept, dropped = drop_long_prompts(dataset, tokenizer, spec.max_prompt_length)
+    if not dropped:
+        return dataset
+    path = Path(output_dir) / "dropped_prompts.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"max_prompt_length": spec.max_prompt_length,
+                                "dropped": [{"prompt_id": pid, "tokens": n} for pid, n in dropped]}, indent=1))
+    log.warning("%s: %d of %d prompts are longer than max_prompt_length=%d tokens and are left out of training "
+                "(e.g. %s); the list is in %s", spec.data, len(dropped), len(dataset), spec.max_prompt_length,
+                ", ".join(f"{pid} ({n} tokens)" for pid, n in dropped[:3]), path)
+    if len(kept) < spec.prompts_per_step:
+        raise DataError(f"{spec.data}: {len(kept)} of {len(dataset)} prompts fit max_prompt_length="
+                        f"{spec.max_prompt_length} tokens, fewer than prompts_per_step={spec.prompts_per_step} "
+                        f"(longest: {max(n for _, n in dropped)} tokens; see {path}); raise max_prompt_length")
+    return kept
 
 
 def build_trl_grpo_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):

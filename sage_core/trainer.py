@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from accelerate.utils import gather, gather_object
@@ -27,13 +27,17 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
 
 from . import gate
-from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints
+from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints, leaks
 from .memory import measured
 from .packing import length_buckets
 from .prompts import LEVELS, hinted_problem
 from .reward import completion_text
 from .schedulers import Action, Scheduler, make_scheduler
 from .tracker import PromptTracker
+
+
+class PromptTooLong(ValueError):
+    """A prompt that does not fit vLLM's context (raised on every process together)."""
 
 
 @dataclass
@@ -114,6 +118,7 @@ class SageGRPOTrainer(GRPOTrainer):
         self._hints_prepared = False
         self._pool = None  # fresh prompts for methods that swap a collapsed group for a new prompt
         self._no_grad_rows: torch.Tensor | None = None  # rows of the current loss forward that carry no gradient
+        self._ctx_limit: int | None | bool = False  # vLLM's context in tokens (None: unknown); False: not read yet
 
     # ------------------------------------------------------------------------------------------ TRL hooks
     def _generate_and_score_completions(self, inputs):
@@ -197,6 +202,30 @@ class SageGRPOTrainer(GRPOTrainer):
             return super()._generate(prompts)
         return self._sage_generate(prompts, self._rows)
 
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's generate, after a check every process makes together: vLLM rejects a prompt that fills its whole
+        context, and one rank failing alone would leave the others waiting in the next collective forever."""
+        if (limit := self._context_limit()) is not None:
+            longest = max(gather_object([max((len(p) for p in prompt_ids), default=0)]))
+            if longest >= limit:
+                raise PromptTooLong(
+                    f"a prompt of {longest} tokens does not fit vLLM's context of {limit} tokens (max_model_len); "
+                    "set max_prompt_length (longer rows are then left out at load and the context is sized for "
+                    "the rest) or raise it")
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                             has_tool_images)
+
+    def _context_limit(self) -> int | None:
+        """vLLM's max_model_len: the configured one, else (colocate) the engine's; None without vLLM, or for a
+        server whose context was not configured here."""
+        if self._ctx_limit is False:
+            gen = getattr(self, "vllm_generation", None) if self.use_vllm else None
+            limit = getattr(gen, "max_model_length", None)
+            if limit is None and getattr(gen, "llm", None) is not None:
+                limit = gen.llm.model_config.max_model_len
+            self._ctx_limit = limit
+        return self._ctx_limit
+
     # ------------------------------------------------------------------------------------------ the step
     def _sage_generate(self, prompts, rows):
         G, t_start, m = self.num_generations, time.perf_counter(), self._metrics["train"]
@@ -256,7 +285,7 @@ class SageGRPOTrainer(GRPOTrainer):
         # this process's counts, summed over processes
         # (TRL's own num_tokens and completions/* metrics describe the step's first rollout, not the trained rows)
         for key in ("reroll_groups", "reroll_rows", "hint_rows", "lookahead_unasked_rows", "gen_tokens",
-                    "train_tokens"):
+                    "train_tokens", "hint_requests_too_long", "hints_cut"):
             m[f"sage/{key}"].append(float(sum(gather_object([self._counts[key]]))))
         # sequential generation passes (the first rollout, re-roll rounds, hint calls): with vLLM a pass costs about
         # its longest completion whatever its width, so these, not the rows, set a step's rollout time there
@@ -390,7 +419,20 @@ class SageGRPOTrainer(GRPOTrainer):
         return rpf
 
     def _roll(self, prompts: list, kind: str = "reroll"):
-        """Generate one completion per prompt; every process generates the same count (padded)."""
+        """Generate one completion per prompt; every process generates the same count (padded). A hint request
+        that leaves no room for the hint in vLLM's context (a long reference solution) is not sent: it comes back
+        empty, as a hint that failed, and the scheduler moves on."""
+        if kind == "hint" and prompts and (limit := self._context_limit()) is not None:
+            room = limit - self._max_new_tokens()
+            lengths = [len(x) for x in self._tokenize_prompts(prompts)[0]]
+            fits = [n <= room for n in lengths]
+            if not all(fits):
+                self._counts["hint_requests_too_long"] += fits.count(False)
+                ids, comp_ids, comps, lps = self._roll([p for p, ok in zip(prompts, fits, strict=True) if ok], kind)
+                it = iter(zip(ids, comp_ids, comps, lps if lps is not None else [None] * len(ids), strict=True))
+                full = [next(it) if ok else ([], [], "", None) for ok in fits]
+                ids, comp_ids, comps, lps = (list(col) for col in zip(*full, strict=True))
+                return ids, comp_ids, comps, (lps if any(x is not None for x in lps) else None)
         n = len(prompts)
         most = max(gather_object([n]))
         if most == 0:
@@ -407,6 +449,12 @@ class SageGRPOTrainer(GRPOTrainer):
         self._counts[f"{kind}_rows"] += n
         self._counts["gen_tokens"] += sum(len(c) for c in comp_ids)
         return ids, comp_ids, comps, lps
+
+    def _max_new_tokens(self) -> int:
+        """The current generate length (the hint length while hints are written)."""
+        if self.use_vllm:
+            return self.vllm_generation.max_completion_length
+        return self.generation_config.max_new_tokens
 
     def _pad_prompt(self):
         return self._rows[0]["prompt"] if self._rows else [{"role": "user", "content": "1"}]
@@ -451,9 +499,26 @@ class SageGRPOTrainer(GRPOTrainer):
         t0 = time.perf_counter()
         reqs = [HintRequest(r["prompt_id"], r.get("problem") or _problem_of(r), r.get("solution") or "",
                             str(r["answer"]), lvl) for r, lvl in asked]
-        results = self.hint_source.get(reqs, self._hint_context())
+        results = [self._cut_hint(q, res) for q, res in zip(reqs, self.hint_source.get(reqs, self._hint_context()),
+                                                           strict=True)]
         self._hint_seconds += time.perf_counter() - t0
         return {(q.prompt_id, q.level): res for q, res in zip(reqs, results, strict=True)}
+
+    def _cut_hint(self, req: HintRequest, res: HintResult) -> HintResult:
+        """A hint longer than hint_max_tokens (a teacher's, or a hints file's) is cut to that many tokens: vLLM's
+        context has room for that much hint. The cut hint passes the leak guard again (a cut number can become the
+        answer)."""
+        limit = self.args.hint_max_tokens
+        if res.text is None:
+            return res
+        ids = self.processing_class(res.text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= limit:
+            return res
+        self._counts["hints_cut"] += 1
+        text = self.processing_class.decode(ids[:limit], skip_special_tokens=True).strip()
+        if not text or leaks(text, req.answer):
+            return replace(res, text=None, leaked=res.leaked or bool(text))
+        return replace(res, text=text)
 
     def _prepare_hints(self) -> None:
         """Before the first update: sources that need the initial policy (fixed hints) write their hints now."""

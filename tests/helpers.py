@@ -1,7 +1,7 @@
 """Helpers shared by test modules (not fixtures: those live in conftest.py).
 
 - `metric(trainer, key)`: a logged metric's values, one per step that logged it.
-- `run_two_ranks(out, method, overrides)`: tests/mp_train.py under torchrun on 2 CPU processes (gloo, a free
+- `run_two_ranks(out, method, overrides, ...)`: tests/mp_train.py under torchrun on 2 CPU processes (gloo, a free
   loopback port); returns the finished process and each rank's state file.
 - `global_metrics(history)`: a rank's log history without its own timings, which is what both ranks must agree on.
 """
@@ -22,15 +22,20 @@ def metric(trainer, key: str) -> list:
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def run_two_ranks(out: Path, method: str, overrides: dict | None = None):
+def run_two_ranks(out: Path, method: str, overrides: dict | None = None, *, ctx_limit: int | None = None,
+                  expect_ok: bool = True, timeout: int = 600):
+    """`ctx_limit`: the trainer's generation context limit on both ranks (as vLLM's max_model_len would set it).
+    With expect_ok=False the finished process is returned whatever its exit code, with no state files."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE.parent),
-           "MP_OVERRIDES": json.dumps(overrides or {})}
+           "MP_OVERRIDES": json.dumps(overrides or {}), "MP_CTX_LIMIT": str(ctx_limit or "")}
     with socket.socket() as sock:  # a free loopback port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", port, str(HERE / "mp_train.py"), str(out), method]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if not expect_ok:
+        return proc, None, None
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (json.loads((out / f"state_rank{r}.json").read_text()) for r in (0, 1))
     return proc, r0, r1

@@ -15,8 +15,15 @@ spec = preset("tiny-cpu", method=method, difficulty="hard", num_prompts=8, promp
               max_steps=2, max_completion_length=32, save_steps=100,
               **json.loads(os.environ.get("MP_OVERRIDES", "{}")))
 trainer = build_trainer(spec, out)
-trainer.train()
 rank = trainer.accelerator.process_index
+if os.environ.get("MP_CTX_LIMIT"):  # as vLLM's max_model_len would set it (tests/test_context.py)
+    trainer._ctx_limit = int(os.environ["MP_CTX_LIMIT"])
+try:
+    trainer.train()
+except Exception as e:  # which rank failed, and how: the test reads these
+    with open(os.path.join(out, f"error_rank{rank}.txt"), "w") as f:
+        f.write(f"{type(e).__name__}: {e}")
+    raise
 with open(os.path.join(out, f"state_rank{rank}.json"), "w") as f:
     json.dump({"scheduler": trainer.scheduler.state(), "seen": sorted(trainer.tracker.seen),
                "solved": sorted(trainer.tracker.solved),

@@ -1,0 +1,121 @@
+"""Prompt length against the generation context: long rows are left out at load, long hints are cut, a hint
+request with no room is not sent, and a prompt that does not fit fails on every process together (no hang).
+
+vLLM's context (max_model_len) is what the trainer checks against; here, on the HF path, the tests set the
+trainer's context limit directly, and the generation is real. tests/test_vllm.py checks that the limit is read from
+a real vLLM engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import metric, run_two_ranks
+
+from sage_core.data import DataError, build_dataset, reference_hint
+from sage_core.hints import HintRequest, write_hints
+from sage_core.presets import preset
+from sage_core.tracker import read_tracker
+from sage_core.train import build_trainer
+from sage_core.trainer import PromptTooLong
+
+SMALL = dict(num_prompts=8, prompts_per_step=4, num_generations=4, max_completion_length=24, save_steps=100,
+             max_steps=1)
+
+
+def small(method, **kw):
+    return preset("tiny-cpu", method=method, **{**SMALL, **kw})
+
+
+def _lengths(trainer, prompts):
+    """Prompt lengths exactly as TRL tokenizes them for generation."""
+    return [len(ids) for ids in trainer._tokenize_prompts(list(prompts))[0]]
+
+
+def test_long_prompts_are_left_out_at_load_and_listed(tiny_model_dir, tmp_path):
+    probe = build_trainer(small("grpo", num_prompts=16), tmp_path / "probe")
+    rows = list(build_dataset(small("grpo", num_prompts=16)))
+    lengths = dict(zip((r["prompt_id"] for r in rows), _lengths(probe, [r["prompt"] for r in rows]), strict=True))
+    cut = sorted(lengths.values())[len(lengths) // 2]  # about half the prompts are longer
+    long_ids = {pid for pid, n in lengths.items() if n > cut}
+    assert 0 < len(long_ids) <= 12
+
+    out = tmp_path / "run"
+    trainer = build_trainer(small("grpo", num_prompts=16, max_prompt_length=cut), out)
+    kept = set(trainer.train_dataset["prompt_id"])
+    assert kept == set(lengths) - long_ids  # exactly the rows that fit, by TRL's own tokenization
+    listed = json.loads((out / "dropped_prompts.json").read_text())
+    assert listed["max_prompt_length"] == cut
+    assert {d["prompt_id"]: d["tokens"] for d in listed["dropped"]} == {p: lengths[p] for p in long_ids}
+
+
+def test_too_few_prompts_fit_is_an_error_naming_the_limit(tiny_model_dir, tmp_path):
+    with pytest.raises(DataError, match=r"0 of 8 prompts fit max_prompt_length=3 tokens.*raise max_prompt_length"):
+        build_trainer(small("grpo", max_prompt_length=3), tmp_path)
+    assert len(json.loads((tmp_path / "dropped_prompts.json").read_text())["dropped"]) == 8
+
+
+def test_hints_longer_than_hint_max_tokens_are_cut(tiny_model_dir, tmp_path):
+    spec = small("sage", hint_source="teacher", teacher=str(tmp_path / "teacher.jsonl"), hint_max_tokens=12)
+    rows = list(build_dataset(spec))
+    long = {r["prompt_id"]: " ".join([reference_hint(r, 2)] * 6) for r in rows}
+    write_hints(tmp_path / "teacher.jsonl", [(r["prompt_id"], 2, long[r["prompt_id"]]) for r in rows]
+                + [(r["prompt_id"], 1, "add first .") for r in rows])
+    trainer = build_trainer(spec, tmp_path)
+    trainer._counts = __import__("collections").defaultdict(float)
+    trainer._hint_seconds = 0.0
+    got = trainer._get_hints([(r, lvl) for r in rows[:3] for lvl in (1, 2)])
+    tok = trainer.processing_class
+    for r in rows[:3]:
+        short, cut = got[(r["prompt_id"], 1)].text, got[(r["prompt_id"], 2)].text
+        assert short == "add first ."  # within the limit: untouched
+        ids = tok(cut, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 12 and ids == tok(long[r["prompt_id"]], add_special_tokens=False)["input_ids"][:12]
+    assert trainer._counts["hints_cut"] == 3
+
+
+def test_a_hint_request_with_no_room_is_not_sent_and_training_goes_on(tiny_model_dir, tmp_path):
+    spec = small("sage", difficulty="hard")
+    trainer = build_trainer(spec, tmp_path)
+    rows = list(trainer.train_dataset)
+    from sage_core.hints import request_prompt
+
+    prompts = _lengths(trainer, [r["prompt"] for r in rows])
+    requests = _lengths(trainer, [request_prompt(HintRequest(r["prompt_id"], r["problem"], r["solution"],
+                                                             str(r["answer"]), 1)) for r in rows])
+    # room for every rollout prompt, none for a hint request plus its hint
+    limit = max(prompts) + 1
+    assert min(requests) + spec.hint_max_tokens > limit
+    trainer._ctx_limit = limit
+    trainer.train()
+    df = read_tracker(tmp_path / "tracker")
+    asked = df[df.max_level_tried > 0]
+    assert len(asked) > 0 and asked.hint_failed.all() and asked.hint_l1.isna().all()
+    assert (df.level == 0).all()  # no hinted rollout: every group trained on its own prompt
+    # every try of every asked hint (the first sample and hint_retries resamples) was held back
+    assert metric(trainer, "sage/hint_requests_too_long")[0] >= len(asked) * (1 + spec.hint_retries)
+    assert metric(trainer, "sage/hint_rows")[0] == 0
+
+
+def test_a_rollout_prompt_over_the_context_is_a_clear_error(tiny_model_dir, tmp_path):
+    trainer = build_trainer(small("grpo"), tmp_path)
+    longest = max(_lengths(trainer, trainer.train_dataset["prompt"]))
+    trainer._ctx_limit = longest  # vLLM needs room for at least one new token
+    with pytest.raises(PromptTooLong, match=rf"a prompt of {longest} tokens does not fit vLLM's context of "
+                                            rf"{longest} tokens.*set max_prompt_length"):
+        trainer.train()
+
+
+def test_two_processes_fail_together_when_one_has_a_prompt_too_long(tiny_model_dir, tmp_path):
+    """Only one prompt of the data set is too long, so one rank holds it; without a collective check that rank
+    would fail alone and the other would wait in the next gather for ever. Both raise, and torchrun exits."""
+    probe = build_trainer(preset("tiny-cpu", method="sage", difficulty="hard", num_prompts=8, seed=1,
+                                 save_steps=100), tmp_path / "probe")
+    lengths = sorted(_lengths(probe, probe.train_dataset["prompt"]))
+    assert lengths[-1] > lengths[-2]  # a unique longest prompt in tests/mp_train.py's data set, seed 1
+    out = tmp_path / "run"
+    proc, _, _ = run_two_ranks(out, "sage", {"seed": 1}, ctx_limit=lengths[-1], expect_ok=False, timeout=300)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        err = (out / f"error_rank{rank}.txt").read_text()
+        assert err.startswith(f"PromptTooLong: a prompt of {lengths[-1]} tokens does not fit"), err
