@@ -112,6 +112,36 @@ def evaluate_rows(model, tokenizer, rows, k: int = 4, temperature: float = 0.6, 
     return summarise(rows, completions, k)
 
 
+def eval_context(lengths: Mapping[str, Sequence[tuple[str, int]]], max_new_tokens: int,
+                 model_context: int | None) -> int:
+    """vLLM's max_model_len for an evaluation: its longest prompt plus max_new_tokens, at most the model's context.
+    `lengths`: benchmark -> [(prompt_id, prompt tokens)]. A prompt that leaves no room for one new token in the
+    model's context is a DataError naming it (vLLM would fail the whole batch on it)."""
+    from .data import DataError
+
+    longest = max((n for rows in lengths.values() for _, n in rows), default=0)
+    if model_context is not None:
+        over = [(name, pid, n) for name, rows in lengths.items() for pid, n in rows if n >= model_context]
+        if over:
+            name, pid, n = over[0]
+            raise DataError(f"benchmark {name!r}: {len(over)} prompt(s) do not fit the model's context of "
+                            f"{model_context} tokens, e.g. {pid!r} ({n} tokens); remove them from the benchmark")
+        return min(longest + max_new_tokens, model_context)
+    return longest + max_new_tokens
+
+
+def _model_context(path: str) -> int | None:
+    """The model's context from its config (max_position_embeddings), or None when the config does not say."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "max_position_embeddings", None)
+
+
 def _generate_vllm(model_ref: str, benchmarks: dict[str, list[dict]], k: int, temperature: float, top_p: float,
                    max_new_tokens: int, seed: int, gguf_file: str | None,
                    gpu_memory_utilization: float) -> dict[str, list[list[str]]]:
@@ -132,14 +162,24 @@ def _generate_vllm(model_ref: str, benchmarks: dict[str, list[dict]], k: int, te
     if gguf_file:
         path = str(Path(path) / gguf_file)
     ours = None if path.endswith(".gguf") else load_tokenizer(path)
-    llm = LLM(model=path, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
+
+    def encode(tok):
+        return {name: [tok(render_prompt(tok, r), add_special_tokens=False)["input_ids"] for r in rows]
+                for name, rows in benchmarks.items()}
+
+    ids = encode(ours) if ours is not None else None
+    # the context these prompts need, not the model's full one (a 256k-token KV cache may not fit beside the rest)
+    max_len = None if ids is None else eval_context(
+        {name: [(str(r.get("prompt_id", i)), len(x)) for i, (r, x) in enumerate(zip(rows, ids[name], strict=True))]
+         for name, rows in benchmarks.items()}, max_new_tokens, _model_context(path))
+    llm = LLM(model=path, seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_len)
     tokenizer = ours if ours is not None else llm.get_tokenizer()  # a GGUF file carries its own
+    ids = ids if ids is not None else encode(tokenizer)
     params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
     out = {}
     try:
-        for name, rows in benchmarks.items():
-            ids = [tokenizer(render_prompt(tokenizer, r), add_special_tokens=False)["input_ids"] for r in rows]
-            results = llm.generate([{"prompt_token_ids": x} for x in ids], params)
+        for name in benchmarks:
+            results = llm.generate([{"prompt_token_ids": x} for x in ids[name]], params)
             out[name] = [tokenizer.batch_decode([o.token_ids for o in r.outputs], skip_special_tokens=True)
                          for r in results]
     finally:  # free the engine (and its worker process) now, not at interpreter exit

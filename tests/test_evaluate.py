@@ -135,3 +135,23 @@ def test_greedy_gives_k_identical_samples(tiny):
     res = evaluate_rows(model, tok, rows, k=3, temperature=0.0, max_new_tokens=40)
     assert all(len(set(c)) == 1 and len(c) == 3 for c in res["completions"].values())
     assert set(res["per_prompt"].values()) <= {0.0, 1.0}
+
+
+def test_vllm_eval_context_is_what_the_prompts_need_within_the_model():
+    from sage_core.data import DataError
+    from sage_core.evaluate import eval_context
+
+    lengths = {"a": [("p1", 30), ("p2", 120)], "b": [("q1", 75)]}
+    assert eval_context(lengths, 64, 262_144) == 184  # a 256k-context model gets a 184-token engine
+    assert eval_context(lengths, 64, 150) == 150  # never more than the model has (completions are cut there)
+    assert eval_context(lengths, 64, None) == 184
+    with pytest.raises(DataError, match=r"benchmark 'a': 1 prompt\(s\) do not fit the model's context of 120 "
+                                        r"tokens, e.g. 'p2' \(120 tokens\)"):
+        eval_context(lengths, 64, 120)
+
+
+def test_model_context_comes_from_the_config(tiny_model_dir, tmp_path):
+    from sage_core.evaluate import _model_context
+
+    assert _model_context(str(tiny_model_dir)) == 256
+    assert _model_context(str(tmp_path)) is None  # no config: vLLM decides

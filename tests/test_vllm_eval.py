@@ -31,8 +31,20 @@ def test_eval_on_vllm_reads_prompts_with_the_models_own_tokenizer(tiny_model_dir
         msgs, add_generation_prompt=True)["input_ids"]  # why vLLM must not tokenize the text itself
     rows = list(build_dataset(preset("tiny-cpu", num_prompts=16, difficulty="easy")))
     hf = generate_hf(model, tok, [render_prompt(tok, r) for r in rows], k=1, temperature=0.0, max_new_tokens=40)
+    import vllm
+
+    engines, real_llm = [], vllm.LLM
+
+    def llm(*a, **kw):  # the engine as _generate_vllm builds it
+        engines.append(real_llm(*a, **kw))
+        return engines[-1]
+
+    monkeypatch.setattr(vllm, "LLM", llm)
     vl = _generate_vllm("tiny", {"easy": rows}, k=1, temperature=0.0, top_p=1.0, max_new_tokens=40, seed=0,
                         gguf_file=None, gpu_memory_utilization=0.3)["easy"]
+    # the engine's context is the longest prompt plus the new tokens, not the model's 256
+    longest = max(len(tok(render_prompt(tok, r), add_special_tokens=False)["input_ids"]) for r in rows)
+    assert engines[0].model_config.max_model_len == longest + 40 < 256
     same = sum(a == b for a, b in zip(hf, vl, strict=True))
     assert same >= 14, list(zip(hf, vl))  # float32 on both sides; a near-tie may tip a greedy token
     assert any("\\boxed" in c[0] for c in vl)
