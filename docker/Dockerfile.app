@@ -28,7 +28,10 @@ COPY sage_core ./sage_core
 COPY flows ./flows
 COPY dashboards ./dashboards
 COPY configs ./configs
-RUN pip install "." "psycopg2-binary==2.9.10" \
+# The package with its `app` extra (Prefect, Streamlit): the base dependencies alone are the trainer ranks'.
+# `.[app]` is this package, not a PyPI name to pin (DL3013).
+# hadolint ignore=DL3013
+RUN pip install ".[app]" "psycopg2-binary==2.9.10" \
     && python -c "import sage_core.cli, flows, prefect, mlflow, streamlit, psycopg2, asyncpg"
 
 RUN useradd --create-home --uid 1000 sage \

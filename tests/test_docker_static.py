@@ -224,8 +224,30 @@ def instructions(path: Path) -> list[tuple[str, str]]:
     return out
 
 
+def project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
 def gpu_extra() -> list[str]:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    return project()["optional-dependencies"]["gpu"]
+
+
+def _names(reqs: list[str]) -> set[str]:
+    return {re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0].lower() for r in reqs}
+
+
+def test_pyproject_splits_the_trainer_from_the_app():
+    """vLLM 0.31 pins fastapi<0.137, prefect>=3.8.8 needs >=0.139: the base dependencies (what a trainer rank
+    imports) hold neither Prefect nor the fastapi pin, so `.[gpu]` resolves; `app` holds them; `dev` is the full
+    development install (the app side included)."""
+    proj = project()
+    extras = proj["optional-dependencies"]
+    base = _names(proj["dependencies"])
+    assert not base & {"prefect", "fastapi", "streamlit", "altair"}, base
+    assert {"torch", "trl", "transformers", "accelerate", "mlflow"} <= base
+    assert {"prefect", "fastapi", "streamlit", "altair"} <= _names(extras["app"])
+    assert {"vllm", "trl", "deepspeed"} <= _names(extras["gpu"]) and "prefect" not in _names(extras["gpu"])
+    assert f"{proj['name']}[app]" in extras["dev"]
 
 
 @pytest.mark.parametrize("kind", list(DOCKERFILES))
@@ -264,11 +286,20 @@ def test_dockerfile_copy_sources_exist_and_are_not_ignored():
 def test_trainer_installs_gpu_stack_with_pyproject_pins():
     ins = instructions(DOCKERFILES["trainer"])
     image = next(a for op, a in ins if op == "FROM")
-    assert image.startswith("nvidia/cuda:") and "devel" in image
-    runs = " ".join(a for op, a in ins if op == "RUN")
-    assert 'pip install ".[gpu]"' in runs
+    # CUDA 13: vLLM 0.31 pins torch==2.13.0, whose PyPI wheel needs cuda-toolkit 13.0 (DeepSpeed's JIT wants nvcc's
+    # major version to be torch's)
+    assert image.startswith("nvidia/cuda:13.") and "devel" in image
+    runs = [a for op, a in ins if op == "RUN"]
+    train_runs = " ".join(r for r in runs if "/opt/venv-train/bin/pip install" in r)
+    assert '/opt/venv-train/bin/pip install ".[gpu]"' in train_runs
     for req in gpu_extra():
-        assert f'"{req}"' in runs, f"trainer image should install {req} exactly as pyproject's gpu extra"
+        assert f'"{req}"' in train_runs, f"the trainer venv should install {req} exactly as pyproject's gpu extra"
+    # the Prefect worker's venv (first on PATH) gets the app side; no RUN puts both halves in one venv
+    app_runs = [r for r in runs if 'pip install ".[app]"' in r]
+    assert app_runs and all("/opt/venv-train" not in r and ".[gpu]" not in r for r in app_runs)
+    assert not any(".[gpu]" in r and ".[app]" in r for r in runs)
+    envs = " ".join(a for op, a in ins if op == "ENV")
+    assert "SAGE_TRAIN_VENV=/opt/venv-train" in envs and "PATH=/opt/venv/bin:$PATH" in envs
     cmd = json.loads([a for op, a in ins if op == "CMD"][-1])
     assert cmd[:3] == ["prefect", "worker", "start"] and "--with-healthcheck" in cmd
     envs = " ".join(a for op, a in ins if op == "ENV")
@@ -279,7 +310,8 @@ def test_trainer_installs_gpu_stack_with_pyproject_pins():
 def test_app_image_serves_every_cpu_service():
     ins = instructions(DOCKERFILES["app"])
     runs = " ".join(a for op, a in ins if op == "RUN")
-    assert 'pip install "."' in runs and "psycopg2-binary==" in runs, "mlflow needs a Postgres driver"
+    assert 'pip install ".[app]"' in runs, "the app side (Prefect, Streamlit) is the `app` extra"
+    assert "psycopg2-binary==" in runs, "mlflow needs a Postgres driver"
     assert "download.pytorch.org/whl/cpu" in " ".join(a for op, a in ins if op == "ARG"), "CPU torch only"
     envs = " ".join(a for op, a in ins if op == "ENV")
     assert "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false" in envs
