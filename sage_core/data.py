@@ -32,6 +32,10 @@ class DataError(ValueError):
 class MissingDataFile(DataError, FileNotFoundError):
     """A data file that does not exist."""
 
+
+class PromptTooLong(DataError):
+    """A prompt that does not fit the generation context (the trainer raises it on every process together)."""
+
 # ----------------------------------------------------------------------------------------------------------------
 # Synthetic task
 # ----------------------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
 
 from . import gate
+from .data import PromptTooLong
 from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints, leaks
 from .memory import measured
 from .packing import length_buckets
@@ -34,10 +35,6 @@ from .prompts import LEVELS, hinted_problem
 from .reward import completion_text
 from .schedulers import Action, Scheduler, make_scheduler
 from .tracker import PromptTracker
-
-
-class PromptTooLong(ValueError):
-    """A prompt that does not fit vLLM's context (raised on every process together)."""
 
 
 @dataclass

@@ -12,15 +12,14 @@ import json
 import pytest
 from helpers import metric, run_two_ranks
 
-from sage_core.data import DataError, build_dataset, reference_hint
+from sage_core.data import DataError, PromptTooLong, build_dataset, reference_hint
 from sage_core.hints import HintRequest, write_hints
 from sage_core.presets import preset
 from sage_core.tracker import read_tracker
 from sage_core.train import build_trainer
-from sage_core.trainer import PromptTooLong
 
-SMALL = dict(num_prompts=8, prompts_per_step=4, num_generations=4, max_completion_length=24, save_steps=100,
-             max_steps=1)
+SMALL = {"num_prompts": 8, "prompts_per_step": 4, "num_generations": 4, "max_completion_length": 24,
+         "save_steps": 100, "max_steps": 1}
 
 
 def small(method, **kw):
