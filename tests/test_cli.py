@@ -105,6 +105,13 @@ def test_train_with_bad_data_exits_2_naming_the_file_and_line(capsys, tmp_path):
     assert not (tmp_path / "out" / "train_result.json").exists()
 
 
+def test_train_with_every_prompt_over_max_prompt_length_exits_2(capsys, tmp_path, tiny_model_dir):
+    rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", "max_prompt_length=3", "--output-dir",
+                         str(tmp_path / "out"))
+    assert rc == 2 and "prompts fit max_prompt_length=3 tokens" in err and "Traceback" not in err
+    assert (tmp_path / "out" / "dropped_prompts.json").exists()  # which ones, and how long
+
+
 def test_eval_of_a_missing_model_folder_exits_2_naming_it(capsys, tmp_path):
     rc, _, err = run_cli(capsys, "eval", "--model", str(tmp_path / "final"), "--benchmark", "s=synthetic")
     assert rc == 2 and err.startswith(f"sage eval: model not found: {tmp_path / 'final'} does not exist")
