@@ -161,7 +161,8 @@ def vllm_server_command(model: str, tp: int = 1, port: int = 8000, gpu_mem: floa
     if not 0.0 < gpu_mem <= 1.0:
         raise ValueError(f"gpu_mem must be in (0, 1], got {gpu_mem}")
     cmd = [_venv_script("vllm"), "serve", model, "--host", host, "--port", str(port),
-           "--tensor-parallel-size", str(tp), "--data-parallel-size", "1", "--gpu-memory-utilization", str(gpu_mem), "--dtype", dtype]
+           "--tensor-parallel-size", str(tp), "--data-parallel-size", "1", "--gpu-memory-utilization", str(gpu_mem),
+           "--dtype", dtype]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
     return cmd + list(TRL_VLLM_SERVER_FLAGS) + list(extra_args)
