@@ -118,3 +118,32 @@ def test_two_processes_fail_together_when_one_has_a_prompt_too_long(tiny_model_d
     for rank in (0, 1):
         err = (out / f"error_rank{rank}.txt").read_text()
         assert err.startswith(f"PromptTooLong: a prompt of {lengths[-1]} tokens does not fit"), err
+
+
+class _CharTokenizer:
+    """One token per character: a cut can end inside a number, as a BPE tokenizer's can."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def test_a_cut_that_ends_inside_a_number_is_leak_checked_again():
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from sage_core.hints import HintResult
+    from sage_core.trainer import SageGRPOTrainer
+
+    fake = SimpleNamespace(processing_class=_CharTokenizer(), args=SimpleNamespace(hint_max_tokens=10),
+                           _counts=defaultdict(float))
+    req = HintRequest("p", "problem", "solution", "12", 1)
+    cut = SageGRPOTrainer._cut_hint
+    assert cut(fake, req, HintResult("add 5 to 7")).text == "add 5 to 7"  # 10 tokens: kept as it is
+    leaked = cut(fake, req, HintResult("start at 123 then subtract 111"))  # "start at 1" is fine...
+    assert leaked.text == "start at 1"
+    leaked = cut(fake, req, HintResult("add it: 123 then subtract 111"))  # ..."add it: 12" names the answer
+    assert leaked.text is None and leaked.leaked and leaked.failed
+    assert fake._counts["hints_cut"] == 2
