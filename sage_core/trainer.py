@@ -419,27 +419,24 @@ class SageGRPOTrainer(GRPOTrainer):
         """Generate one completion per prompt; every process generates the same count (padded). A hint request
         that leaves no room for the hint in vLLM's context (a long reference solution) is not sent: it comes back
         empty, as a hint that failed, and the scheduler moves on."""
-        if kind == "hint" and prompts and (limit := self._context_limit()) is not None:
-            room = limit - self._max_new_tokens()
-            lengths = [len(x) for x in self._tokenize_prompts(prompts)[0]]
-            fits = [n <= room for n in lengths]
-            if not all(fits):
-                self._counts["hint_requests_too_long"] += fits.count(False)
-                ids, comp_ids, comps, lps = self._roll([p for p, ok in zip(prompts, fits, strict=True) if ok], kind)
-                it = iter(zip(ids, comp_ids, comps, lps if lps is not None else [None] * len(ids), strict=True))
-                full = [next(it) if ok else ([], [], "", None) for ok in fits]
-                ids, comp_ids, comps, lps = (list(col) for col in zip(*full, strict=True))
-                return ids, comp_ids, comps, (lps if any(x is not None for x in lps) else None)
-        n = len(prompts)
+        ids = list(self._tokenize_prompts(prompts)[0]) if prompts else []
+        sent = list(range(len(ids)))
+        if kind == "hint" and ids and (limit := self._context_limit()) is not None:
+            sent = [i for i in sent if len(ids[i]) + self._max_new_tokens() <= limit]
+            self._counts["hint_requests_too_long"] += len(ids) - len(sent)
+        n = len(sent)
         most = max(gather_object([n]))
-        if most == 0:
-            return [], [], [], None
-        self._passes[kind] += 1  # a generate call on every process (the same count everywhere)
-        pad = prompts[0] if prompts else self._pad_prompt()
-        ids, _, _ = self._tokenize_prompts(prompts + [pad] * (most - n))
-        comp_ids, lps = self._generate_single_turn(ids, None, {}, num_generations=1)
-        ids, comp_ids = list(ids[:n]), list(comp_ids[:n])
-        lps = list(lps[:n]) if lps is not None else None
+        comp_ids, lps = [[] for _ in ids], None
+        if most:
+            self._passes[kind] += 1  # a generate call on every process (the same count everywhere)
+            batch = [ids[i] for i in sent]
+            pad = batch[0] if batch else self._tokenize_prompts([self._pad_prompt()])[0][0]
+            out, out_lps = self._generate_single_turn(batch + [pad] * (most - n), None, {}, num_generations=1)
+            lps = None if out_lps is None else [[] for _ in ids]
+            for j, i in enumerate(sent):
+                comp_ids[i] = out[j]
+                if lps is not None:
+                    lps[i] = out_lps[j]
         texts = self.processing_class.batch_decode(comp_ids, skip_special_tokens=True)
         comps = [[{"role": "assistant", "content": t}] for t in texts] if prompts and is_conversational(
             {"prompt": prompts[0]}) else texts
