@@ -213,13 +213,18 @@ class SageGRPOTrainer(GRPOTrainer):
                                              has_tool_images)
 
     def _context_limit(self) -> int | None:
-        """vLLM's max_model_len: the configured one, else (colocate) the engine's; None without vLLM, or for a
-        server whose context was not configured here."""
+        """vLLM's max_model_len: the configured one, else the engine's (colocate) or the server's (its /v1/models,
+        read by the main process, the one that holds the client); None without vLLM. The first call must come from
+        every process together (it may gather): the step's start and every generate call make it."""
         if self._ctx_limit is False:
             gen = getattr(self, "vllm_generation", None) if self.use_vllm else None
             limit = getattr(gen, "max_model_length", None)
             if limit is None and getattr(gen, "llm", None) is not None:
                 limit = gen.llm.model_config.max_model_len
+            elif limit is None and getattr(gen, "mode", None) == "server":
+                client = getattr(gen, "vllm_client", None)
+                served = _served_context(client.base_url) if client is not None else None
+                limit = next((x for x in gather_object([served]) if x), None)
             self._ctx_limit = limit
         return self._ctx_limit
 
@@ -228,6 +233,7 @@ class SageGRPOTrainer(GRPOTrainer):
         G, t_start, m = self.num_generations, time.perf_counter(), self._metrics["train"]
         self._hint_seconds, self._counts, self._unasked = 0.0, defaultdict(float), defaultdict(int)
         self._passes = defaultdict(int)  # sequential generate calls this step, by kind (reroll, hint)
+        self._context_limit()  # read once, on every process together, before any hint request is measured
         groups = _groups_by_prompt_id(rows, G)
         if not self._hints_prepared:
             self._prepare_hints()
@@ -635,6 +641,20 @@ def _params_sharded(trainer) -> bool:
     """ZeRO-3 or FSDP: every forward gathers parameters collectively, so all ranks must run the same forwards."""
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     return bool(trainer.is_fsdp_enabled or (trainer.is_deepspeed_enabled and getattr(plugin, "zero_stage", 0) == 3))
+
+
+def _served_context(base_url: str, timeout: float = 10.0) -> int | None:
+    """The max_model_len a vLLM server reports for its model (`GET /v1/models`), or None if it does not say."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{base_url.rstrip('/')}/v1/models", timeout=timeout) as r:
+            models = json.load(r).get("data") or [{}]
+    except (OSError, ValueError):
+        return None
+    limit = models[0].get("max_model_len")
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
 def _seen(tries: list[Try]) -> list[tuple[int, list[float]]]:

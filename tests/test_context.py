@@ -147,3 +147,39 @@ def test_a_cut_that_ends_inside_a_number_is_leak_checked_again():
     leaked = cut(fake, req, HintResult("add it: 123 then subtract 111"))  # ..."add it: 12" names the answer
     assert leaked.text is None and leaked.leaked and leaked.failed
     assert fake._counts["hints_cut"] == 2
+
+
+def test_a_vllm_servers_context_is_read_from_its_models_endpoint():
+    """Server mode with no max_prompt_length: the main process asks the server (vLLM's /v1/models carries
+    max_model_len) and every process gets the answer."""
+    import http.server
+    import threading
+    from types import SimpleNamespace
+
+    from sage_core.trainer import SageGRPOTrainer, _served_context
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"object": "list", "data": [{"id": "m", "max_model_len": 4096}]}).encode()
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert _served_context(url) == 4096
+        gen = SimpleNamespace(max_model_length=None, mode="server", vllm_client=SimpleNamespace(base_url=url))
+        fake = SimpleNamespace(_ctx_limit=False, use_vllm=True, vllm_generation=gen)
+        assert SageGRPOTrainer._context_limit(fake) == 4096 and fake._ctx_limit == 4096
+        gen.max_model_length = 2048  # configured here (max_prompt_length): that one counts
+        fake._ctx_limit = False
+        assert SageGRPOTrainer._context_limit(fake) == 2048
+    finally:
+        server.shutdown()
+    assert _served_context(url, timeout=2) is None  # no server: no limit known, no check
