@@ -48,6 +48,7 @@ DEFAULT_EXPERIMENT = "sage"
 RUN_ID_FILE = "mlflow_run_id"
 COMPLETE_TAG = "sage.complete"
 EVAL_ARTIFACT = "eval/eval.parquet"
+DROPPED_PROMPTS = "dropped_prompts.json"  # rows over max_prompt_length, left out of training (sage_core.train)
 EVAL_COLUMNS = ["benchmark", "when", "k", "avg_at_k", "pass_at_k", "n_prompts"]
 # checkpoint files that are training state, not the model: never uploaded under checkpoint/
 _CHECKPOINT_SKIP = re.compile(r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state.*\.pth|training_args\.bin)$")
@@ -574,10 +575,22 @@ class MlflowTrackingCallback(TrainerCallback):
         ckpts = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
         return max(ckpts, key=lambda p: int(p.name.split("-")[-1])) if ckpts else None
 
+    def log_dropped_prompts(self) -> int:
+        """The rows left out for being longer than max_prompt_length (`<output_dir>/dropped_prompts.json`, written
+        by sage_core.train): the file as an artifact and their count as the tag `sage.prompts_dropped`."""
+        path = (self.output_dir or Path(".")) / DROPPED_PROMPTS
+        if not path.is_file():
+            return 0
+        n = len(json.loads(path.read_text()).get("dropped", []))
+        client().log_artifact(self.run_id, str(path))
+        client().set_tag(self.run_id, "sage.prompts_dropped", str(n))
+        return n
+
     # -- TrainerCallback
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             self._setup(args)
+            self.log_dropped_prompts()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero:

@@ -150,11 +150,12 @@ def _drop_long_prompts(spec: RunSpec, dataset, tokenizer, output_dir: str | Path
     """Rows whose prompt is longer than spec.max_prompt_length tokens are left out of training; their ids and
     lengths go to `<output_dir>/dropped_prompts.json` (the data file itself is only read)."""
     from .data import DataError, drop_long_prompts
+    from .tracking import DROPPED_PROMPTS
 
     kept, dropped = drop_long_prompts(dataset, tokenizer, spec.max_prompt_length)
     if not dropped:
         return dataset
-    path = Path(output_dir) / "dropped_prompts.json"
+    path = Path(output_dir) / DROPPED_PROMPTS
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"max_prompt_length": spec.max_prompt_length,
                                 "dropped": [{"prompt_id": pid, "tokens": n} for pid, n in dropped]}, indent=1))

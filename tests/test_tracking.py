@@ -162,6 +162,22 @@ def test_callback_metrics_tracker_files_and_checkpoint(store, tmp_path):
     assert "only_rank0" not in c.get_run(rid).data.metrics
 
 
+def test_callback_logs_the_prompts_left_out_for_length(store, tmp_path):
+    out = tmp_path / "train"
+    out.mkdir()
+    rid = tracking.open_run(RunSpec(max_steps=1), "train", experiment="t-cb-dropped")
+    args, ctl = SimpleNamespace(output_dir=str(out)), TrainerControl()
+    tracking.MlflowTrackingCallback(run_id=rid).on_train_begin(args, _state(0), ctl)
+    assert "sage.prompts_dropped" not in tracking.client().get_run(rid).data.tags  # none left out: no tag
+    (out / "dropped_prompts.json").write_text(json.dumps(
+        {"max_prompt_length": 8, "dropped": [{"prompt_id": "a", "tokens": 9}, {"prompt_id": "b", "tokens": 12}]}))
+    tracking.MlflowTrackingCallback(run_id=rid).on_train_begin(args, _state(0), ctl)
+    c = tracking.client()
+    assert c.get_run(rid).data.tags["sage.prompts_dropped"] == "2"
+    got = Path(c.download_artifacts(rid, "dropped_prompts.json", str(tmp_path)))
+    assert json.loads(got.read_text())["dropped"][1] == {"prompt_id": "b", "tokens": 12}
+
+
 def test_callback_uses_active_run_and_env(store, tmp_path, monkeypatch):
     with tracking.start_run(RunSpec(), "train", experiment="t-cb2") as run:
         cb = tracking.MlflowTrackingCallback()
