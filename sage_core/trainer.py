@@ -25,6 +25,7 @@ from accelerate.utils import gather, gather_object
 from torch import nn
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
+from trl.trainer.utils import RepeatSampler
 
 from . import gate
 from .data import PromptTooLong
@@ -118,6 +119,14 @@ class SageGRPOTrainer(GRPOTrainer):
         self._ctx_limit: int | None | bool = False  # vLLM's context in tokens (None: unknown); False: not read yet
 
     # ------------------------------------------------------------------------------------------ TRL hooks
+    def _get_train_sampler(self, dataset=None):
+        """TRL's sampler, made to give epoch e the same prompt order whether the run got there in one go or was
+        resumed from a checkpoint (see EpochSampler)."""
+        s = super()._get_train_sampler(dataset)
+        if not isinstance(s, RepeatSampler):
+            return s
+        return EpochSampler(s.data_source, s.mini_repeat_count, s.batch_size, s.repeat_count, s.shuffle, s.seed)
+
     def _generate_and_score_completions(self, inputs):
         self._rows = inputs if self.model.training else None
         try:
@@ -618,6 +627,29 @@ class SageGRPOTrainer(GRPOTrainer):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+class EpochSampler(RepeatSampler):
+    """TRL's RepeatSampler draws one permutation per epoch from a generator seeded once, so a resumed run (a fresh
+    sampler) would start its first epoch with epoch 0's order. HF Trainer calls set_epoch(e) before each epoch: when
+    e is not the next draw, the generator is re-seeded and the earlier epochs' permutations are drawn and dropped. A
+    run that is not resumed draws exactly what TRL's sampler draws."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._drawn = 0  # permutations drawn so far
+
+    def set_epoch(self, epoch: int) -> None:
+        if not self.shuffle or self.seed is None or epoch == self._drawn:
+            return
+        self.generator.manual_seed(self.seed)
+        for _ in range(epoch):
+            torch.randperm(self.num_samples, generator=self.generator)
+        self._drawn = epoch
+
+    def __iter__(self):
+        self._drawn += 1
+        yield from super().__iter__()
+
+
 def _groups_by_prompt_id(rows: list[dict], G: int) -> list[tuple[str, list[int]]]:
     """Groups keyed by prompt id. TRL's sampler lays each prompt's G rows out contiguously; check it rather than
     trust positions, and fail loudly if a group is split or mixed."""

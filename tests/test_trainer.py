@@ -171,6 +171,24 @@ def test_sage_light_raises_levels_and_resumes(tiny_model_dir, tmp_path):
     assert res3.global_step == 3 and sorted(read_tracker(res3.tracker_dir).step.unique()) == [1, 2, 3]
 
 
+def test_resume_across_an_epoch_follows_the_straight_run(tiny_model_dir, tmp_path):
+    """4 prompts, 4 per step: every step is an epoch. Stopped at step 1 and resumed to 2, SAGE-LIGHT rolls out the
+    same prompts in the same order as a run straight to 2 (TRL's sampler would restart at epoch 0's order), with
+    the same completions, levels and weights (HF restores the RNG state from the checkpoint)."""
+    from safetensors.torch import load_file
+
+    spec = small("sage-light", num_prompts=4, max_steps=2, save_steps=1)
+    straight = train(spec, tmp_path / "straight")
+    train(spec.model_copy(update={"max_steps": 1}), tmp_path / "resumed")
+    resumed = train(spec, tmp_path / "resumed")
+    a, b = read_tracker(straight.tracker_dir), read_tracker(resumed.tracker_dir)
+    for col in ("step", "prompt_id", "level", "rewards", "completions", "hint"):
+        assert a[col].astype(str).tolist() == b[col].astype(str).tolist(), col
+    assert resumed.summary["never_solved"] == straight.summary["never_solved"]
+    wa, wb = (load_file(str(r.checkpoint_dir / "model.safetensors")) for r in (straight, resumed))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_too_few_prompts_for_one_step_is_an_error_not_an_empty_run(tmp_path):
     with pytest.raises(ValueError, match="4 training prompts, fewer than prompts_per_step=8"):
         build_trainer(small("grpo", num_prompts=4, prompts_per_step=8), tmp_path)
