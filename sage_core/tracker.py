@@ -1,7 +1,7 @@
 """Per-prompt tracker: what happened to every prompt id at every step, one Parquet file per step.
 
 Files are written once (`tracker/step_000012.parquet`) and never rewritten, so a long run costs O(batch) I/O per
-step. Reloading them rebuilds the run's memory: which prompts were ever solved, and (by replaying
+step (a resumed run first discards the files of steps after its checkpoint, which it trains again). Reloading them rebuilds the run's memory: which prompts were ever solved, and (by replaying
 `scheduler.observe`) the SAGE-LIGHT levels, so a resumed run continues where it stopped.
 """
 
@@ -69,6 +69,16 @@ class PromptTracker:
         if up_to_step is not None:
             files = [f for f in files if int(f.stem.split("_")[1]) <= up_to_step]
         return files
+
+    def discard_after(self, step: int) -> list[Path]:
+        """Delete the files of steps after `step` (a run resuming from that step's checkpoint, or 0 for a fresh
+        start): they belong to a trajectory the run does not follow, e.g. steps a killed run wrote after its last
+        checkpoint. Returns them; only the writing process deletes."""
+        stale = [f for f in self.files() if int(f.stem.split("_")[1]) > step]
+        if self.write:
+            for f in stale:
+                f.unlink(missing_ok=True)
+        return stale
 
     def reload(self, up_to_step: int | None = None) -> Iterable[dict]:
         """Absorb the files of steps <= up_to_step and yield their records in step order (for scheduler replay)."""

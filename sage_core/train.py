@@ -222,8 +222,12 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     t0 = time.perf_counter()
     trainer = build_trainer(spec, output_dir, callbacks)
     ckpt = last_checkpoint(output_dir) if resume else None
+    step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
+    if stale := trainer.tracker.discard_after(step):
+        log.warning("%s: %d tracker files of steps after %s were discarded (written after the last checkpoint, "
+                    "or by an earlier run); those steps are trained again", output_dir, len(stale),
+                    ckpt.name if ckpt is not None else "the start")
     if ckpt is not None:
-        step = int(ckpt.name.split("-")[1])
         replayed = trainer.restore_state(step)
         log.info("resuming %s from %s (%d tracker records replayed)", output_dir, ckpt.name, replayed)
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)

@@ -189,6 +189,25 @@ def test_resume_across_an_epoch_follows_the_straight_run(tiny_model_dir, tmp_pat
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_resume_discards_tracker_files_written_after_the_checkpoint(tiny_model_dir, tmp_path):
+    """A run killed after writing steps 2 and 3 but before their checkpoint leaves their tracker files behind.
+    Resumed from checkpoint-1, they are not replayed into the SAGE-LIGHT levels, step 2 is written again from
+    the resumed trajectory, and step 3 (not reached this time) is gone."""
+    spec = small("sage-light", difficulty="hard", num_prompts=4, max_steps=1, save_steps=1)
+    train(spec, tmp_path)
+    tdir = tmp_path / "tracker"
+    first = pd.read_parquet(tdir / "step_000001.parquet")
+    for step in (2, 3):  # another trajectory: every prompt solved at level 3 (replayed, it would set level 2)
+        first.assign(step=step, level=3, rewards=[[1.0] * 8] * len(first)).to_parquet(tdir / f"step_{step:06d}.parquet")
+    res = train(spec.model_copy(update={"max_steps": 2}), tmp_path)
+    df = read_tracker(res.tracker_dir)
+    assert sorted(df.step.unique()) == [1, 2] and not (tdir / "step_000003.parquet").exists()
+    second = df[df.step == 2].set_index("prompt_id")
+    for _, r in first.iterrows():
+        assert second.loc[r.prompt_id, "level"] == (min(r.level + 1, 3) if r.pass_rate <= 0.1 else
+                                                    max(r.level - 1, 0) if r.pass_rate > 0.35 else r.level)
+
+
 def test_too_few_prompts_for_one_step_is_an_error_not_an_empty_run(tmp_path):
     with pytest.raises(ValueError, match="4 training prompts, fewer than prompts_per_step=8"):
         build_trainer(small("grpo", num_prompts=4, prompts_per_step=8), tmp_path)
