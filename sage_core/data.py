@@ -217,6 +217,11 @@ def _to_py(v: Any) -> Any:
     return v
 
 
+def _is_blank(v: Any) -> bool:
+    """None, NaN, or a string of whitespace only: a cell with no value in it."""
+    return _is_missing(v) or (isinstance(v, str) and not v.strip())
+
+
 def _is_missing(v: Any) -> bool:
     if v is None:
         return True
@@ -245,8 +250,16 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"{path.resolve()}: not UTF-8 text ({e})") from e
+        except OSError as e:  # a folder named *.jsonl, no permission
+            raise DataError(f"{path.resolve()}: cannot be read as a data file ({e.strerror})") from e
         if suffix == ".jsonl" or (suffix != ".json" and not text.lstrip().startswith(("[", "{\""))):
-            return _json_lines(text, path.resolve()), str(path.resolve())
+            try:
+                return _json_lines(text, path.resolve()), str(path.resolve())
+            except DataError as e:
+                if suffix == ".jsonl":
+                    raise
+                raise DataError(f"{e} (a '{suffix or 'no extension'}' file is read as JSON lines; data files are "
+                                f".parquet, .jsonl or .json)") from e
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -321,7 +334,7 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
     def first(r: Mapping[str, Any], names: Iterable[str]) -> Any:
         for name in names:
             v = _get_nested(r, name)
-            if not _is_missing(v) and v != "":
+            if not _is_blank(v):
                 return v
         return None
 
@@ -336,9 +349,9 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
     for i, r in enumerate(records):
         prompt = r.get("prompt")
         problem = first(r, PROBLEM_ALIASES)
-        if _is_missing(prompt) or prompt == "" or (isinstance(prompt, list) and not prompt):
+        if _is_blank(prompt) or (isinstance(prompt, list) and not prompt):
             if problem is None:
-                raise DataError(f"{source}: row {i} has neither 'prompt' nor 'problem'/'question'; "
+                raise DataError(f"{source}: row {i} has no 'prompt' (or 'problem'/'question'), or only a blank one; "
                                  f"columns found: {columns}")
             prompt = str(problem)
         try:
@@ -353,10 +366,17 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
             problem = users[-1]
         answer = first(r, answer_cols)
         if answer is None:
-            raise DataError(f"{source}: row {i} has no 'answer' (or {', '.join(ANSWER_ALIASES[1:])}); "
-                             f"columns found: {columns}")
+            raise DataError(f"{source}: row {i} has no 'answer' (or {', '.join(ANSWER_ALIASES[1:])}), or only a "
+                             f"blank one; columns found: {columns}")
+        if isinstance(answer, (Mapping, list)):
+            raise DataError(f"{source}: row {i}: 'answer' must be a string or a number, got a "
+                            f"{type(answer).__name__}: {str(answer)[:80]!r}")
         if isinstance(answer, float) and answer.is_integer():
             answer = int(answer)
+        gold = strip_boxed(str(answer))
+        if not gold:
+            raise DataError(f"{source}: row {i}: 'answer' {str(answer)[:80]!r} is empty once stripped of $ and "
+                            f"\\boxed{{}}")
         solution = r.get("solution")
         if _is_missing(solution) or not str(solution).strip():
             no_solution += 1
@@ -370,7 +390,7 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
         except (TypeError, ValueError):
             diff = -1
         rows.append({"prompt": chat, "problem": str(problem), "solution": str(solution),
-                     "answer": strip_boxed(str(answer)), "prompt_id": str(pid), "difficulty": diff})
+                     "answer": gold, "prompt_id": str(pid), "difficulty": diff})
     if no_solution:
         msg = (f"{source}: {no_solution} of {len(rows)} rows have no 'solution'; their hints will be built "
                f"answer-free from the problem only")

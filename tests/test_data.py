@@ -230,6 +230,39 @@ def test_malformed_files_name_the_file_and_the_place(tmp_path, name, content, ne
     assert path.read_bytes() == before  # the input is only read
 
 
+@pytest.mark.parametrize("cells,needle", [
+    ({"prompt": "   ", "answer": "1"}, r"row 1 has no 'prompt' \(or 'problem'/'question'\), or only a blank one"),
+    ({"prompt": "q", "answer": " "}, r"row 1 has no 'answer' .*or only a blank one"),
+    ({"prompt": "q", "answer": "\\boxed{}"}, r"row 1: 'answer' '\\\\boxed\{\}' is empty"),
+    ({"prompt": "q", "answer": [1, 2]}, r"row 1: 'answer' must be a string or a number, got a list: '\[1, 2\]'"),
+    ({"prompt": "q", "answer": {"a": 1}}, r"row 1: 'answer' must be a string or a number, got a dict"),
+])
+def test_blank_or_nested_cells_are_named_by_row(tmp_path, cells, needle):
+    """A blank prompt or answer, or an answer that is a list or a dict, is not a gold answer to train on."""
+    rows = [{"prompt": "p", "answer": "1", "id": "a"}, {**cells, "id": "b"}]
+    jl = tmp_path / "rows.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(data.DataError, match=needle):
+        load_rows(str(jl))
+    if isinstance(cells["answer"], (list, dict)):  # the same from Parquet, where nested types are typed columns
+        pq = tmp_path / "rows.parquet"
+        pd.DataFrame([{**rows[0], "answer": type(cells["answer"])()}, rows[1]]).to_parquet(pq)
+        with pytest.raises(data.DataError, match="row 0: 'answer' must be a string or a number"):
+            load_rows(str(pq))
+
+
+def test_unsupported_file_types_and_folders_are_named(tmp_path):
+    csv = tmp_path / "rows.csv"
+    csv.write_text("prompt,answer\nq,1\n")
+    with pytest.raises(data.DataError, match=r"rows.csv: line 1 is not valid JSON .*a '.csv' file is read as JSON "
+                                             r"lines; data files are .parquet, .jsonl or .json"):
+        load_rows(str(csv))
+    folder = tmp_path / "rows.jsonl"
+    folder.mkdir()
+    with pytest.raises(data.DataError, match="rows.jsonl: cannot be read as a data file"):
+        load_rows(str(folder))
+
+
 def test_an_unknown_dataset_name_offline_is_a_data_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no local folder of that name
     with pytest.raises(data.DataError, match="no_such_dataset: no such local file or folder; as a Hugging Face"):
