@@ -86,8 +86,8 @@ class RunSpec(BaseModel):
     # evaluation (no hint)
     eval_k: int = Field(4, ge=1)
     eval_num_prompts: int = Field(32, ge=1)
-    eval_temperature: float = 0.6
-    eval_top_p: float = 0.95
+    eval_temperature: float = Field(0.6, ge=0.0, description="0 = greedy")
+    eval_top_p: float = Field(0.95, gt=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _check(self) -> "RunSpec":
@@ -96,6 +96,15 @@ class RunSpec(BaseModel):
         if self.hint_source == "teacher" and not self.teacher and self.method in ("sage", "sage-light",
                                                                                  "sage-light+ada-seq"):
             raise ValueError("hint_source='teacher' needs `teacher` (model path, endpoint URL or hints file)")
+        rows = self.prompts_per_step * self.num_generations  # one step's rollouts (over all processes)
+        micro = self.micro_batch_size or rows
+        if rows % micro:
+            raise ValueError(f"micro_batch_size ({micro}) must divide prompts_per_step x num_generations "
+                             f"({self.prompts_per_step} x {self.num_generations} = {rows} rows a step)")
+        if (rows // micro) % self.updates_per_generation:
+            what = f"the {rows // micro} micro-batches of a step" if self.micro_batch_size else \
+                "1 (no micro_batch_size: a step is one batch)"
+            raise ValueError(f"updates_per_generation ({self.updates_per_generation}) must divide {what}")
         return self
 
     def key(self) -> str:
