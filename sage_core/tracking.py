@@ -518,7 +518,8 @@ class MlflowTrackingCallback(TrainerCallback):
     `spec`, the callback opens the run itself (`resume_or_create_run` on the trainer's output_dir, so a resumed
     training continues the same run) and finishes it at `on_train_end` (the `sage train --mlflow` case).
     Only the main process logs. Tracker files (`<output_dir>/tracker/step_*.parquet`) are uploaded once each; on a
-    resumed run the files already in the run's `tracker/` artifacts are not uploaded again.
+    resumed run the files already in the run's `tracker/` artifacts are not uploaded again, except those of steps
+    after the checkpoint it resumes from (trained again, so uploaded again).
     """
 
     def __init__(self, run_id: str | None = None, output_dir: str | Path | None = None,
@@ -590,6 +591,9 @@ class MlflowTrackingCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             self._setup(args)
+            # a resumed run trains the steps after its checkpoint again: their files are uploaded again when
+            # written (the run's copies, from before a kill, belong to the discarded trajectory)
+            self.uploaded = {n for n in self.uploaded if _tracker_step(n) <= state.global_step}
             self.log_dropped_prompts()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -618,6 +622,11 @@ class MlflowTrackingCallback(TrainerCallback):
                 client().set_tag(self.run_id, "sage.checkpoint_step", ckpt.name.split("-")[-1])
         if self.owns_run:
             finish_run(self.run_id)
+
+
+def _tracker_step(name: str) -> int:
+    """The step of a tracker file name `step_000012.parquet` (0 for any other name)."""
+    return int(name[5:-8]) if _TRACKER_FILE.match(name) else 0
 
 
 def make_callback(spec: RunSpec | None = None, experiment: str | None = None, run_id: str | None = None,

@@ -162,6 +162,28 @@ def test_callback_metrics_tracker_files_and_checkpoint(store, tmp_path):
     assert "only_rank0" not in c.get_run(rid).data.metrics
 
 
+def test_resumed_callback_uploads_again_the_steps_trained_again(store, tmp_path):
+    """A run killed after step 2's tracker file was uploaded, resumed from checkpoint-1: step 2 is trained again
+    and its new file replaces the killed run's in the MLflow run."""
+    out = tmp_path / "train"
+    tdir = out / "tracker"
+    tdir.mkdir(parents=True)
+    rid = tracking.open_run(RunSpec(max_steps=2), "train", experiment="t-cb-resume")
+    args, ctl = SimpleNamespace(output_dir=str(out)), TrainerControl()
+    cb = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
+    cb.on_train_begin(args, _state(0), ctl)
+    for step in (1, 2):
+        pd.DataFrame({"step": [step], "prompt_id": ["killed"]}).to_parquet(tdir / f"step_{step:06d}.parquet")
+        cb.on_log(args, _state(step), ctl, logs={"reward": 0.0})
+    resumed = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
+    resumed.on_train_begin(args, _state(1), ctl)
+    assert resumed.uploaded == {"step_000001.parquet"}
+    pd.DataFrame({"step": [2], "prompt_id": ["resumed"]}).to_parquet(tdir / "step_000002.parquet")
+    resumed.on_log(args, _state(2), ctl, logs={"reward": 1.0})
+    got = tracking.client().download_artifacts(rid, "tracker/step_000002.parquet", str(tmp_path / "dl"))
+    assert pd.read_parquet(got).prompt_id.tolist() == ["resumed"]
+
+
 def test_callback_logs_the_prompts_left_out_for_length(store, tmp_path):
     out = tmp_path / "train"
     out.mkdir()
