@@ -59,7 +59,9 @@ def load_spec_file(path: str | os.PathLike) -> dict[str, Any]:
     if not p.is_file():
         raise SpecError(f"--spec: no such file {str(p)!r}")
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise SpecError(f"--spec {str(p)!r} is not UTF-8 text: {e}") from None
     except json.JSONDecodeError as e:
         raise SpecError(f"--spec {str(p)!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict):

@@ -94,6 +94,9 @@ def test_spec_file_errors(capsys, tmp_path):
     bad.write_text("[1, 2]")
     rc, _, err = run_cli(capsys, "spec", "--spec", str(bad))
     assert rc == 2 and "JSON object" in err
+    bad.write_bytes(b'\xff\xfe{"max_steps": 1}')
+    rc, _, err = run_cli(capsys, "spec", "--spec", str(bad))
+    assert rc == 2 and "is not UTF-8 text" in err and "Traceback" not in err
 
 
 def test_train_validation_error_exits_before_importing_train(capsys, monkeypatch):
