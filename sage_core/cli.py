@@ -118,6 +118,40 @@ def default_output_dir(spec) -> Path:
     return sage_home() / "runs" / f"{spec.method}-{spec.key()}"
 
 
+# RunSpec fields a run may change when it continues in its output dir: when it stops and saves, how it is evaluated,
+# where and in how much memory vLLM runs. A change to any other field makes it another run.
+RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "rollout_budget", "eval_k", "eval_num_prompts",
+                              "eval_temperature", "eval_top_p", "vllm_server_base_url",
+                              "vllm_gpu_memory_utilization"})
+
+
+def check_run_dir(spec, out: Path) -> None:
+    """Refuse, before anything is written, a training run that cannot start or would write over another run: fewer
+    prompts than a step draws, an output dir that is not a folder, or one whose spec.json (written by every run)
+    records another spec (fields outside RESUMABLE_FIELDS differ). Training there would resume that run under the
+    new spec, or with --no-resume overwrite its checkpoints, tracker and final model. An unreadable spec.json
+    records nothing and is not checked."""
+    from .spec import RunSpec
+
+    if spec.num_prompts < spec.prompts_per_step:
+        raise SpecError(f"num_prompts ({spec.num_prompts}) is fewer than prompts_per_step ({spec.prompts_per_step}): "
+                        "no training step could be drawn; raise num_prompts or lower prompts_per_step")
+    if out.exists() and not out.is_dir():
+        raise SpecError(f"--output-dir {out}: exists and is not a folder")
+    try:
+        old = json.loads((out / "spec.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none, or unreadable
+        return
+    if not isinstance(old, dict):
+        return
+    new = json.loads(spec.model_dump_json())
+    changed = [f"{k} {old.get(k, f.default)!r} -> {new[k]!r}" for k, f in RunSpec.model_fields.items()
+               if k not in RESUMABLE_FIELDS and old.get(k, f.default) != new[k]]
+    if changed:
+        raise SpecError(f"--output-dir {out} holds a run of another spec ({'; '.join(changed)}); train in another "
+                        "--output-dir (without one, each spec gets its own folder), or delete this one to start over")
+
+
 def _is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -179,6 +213,11 @@ def _open_tracking(spec, out: Path, args: argparse.Namespace) -> tuple[list, str
 def cmd_train(args: argparse.Namespace) -> int:
     spec = build_spec(args.preset, args.spec, args.set)
     out = Path(args.output_dir).resolve() if args.output_dir else default_output_dir(spec)
+    check_run_dir(spec, out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecError(f"--output-dir {out}: cannot be created ({e.strerror})") from None
     if _is_main_process():
         print(f"sage train: method={spec.method} model={spec.model} steps={spec.max_steps} -> {out}", flush=True)
     callbacks, run_id = _open_tracking(spec, out, args)
@@ -308,6 +347,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     spec = build_spec(args.preset, args.spec, args.set)
     out = Path(args.output_dir).resolve() if args.output_dir else default_output_dir(spec)
+    check_run_dir(spec, out)
     kw = {"gpus": _parse_gpus(args.gpus), "config": args.config, "vllm_mode": args.vllm_mode,
           "server_gpus": args.server_gpus, "port": args.port, "server_gpu_mem": args.server_gpu_mem}
     try:

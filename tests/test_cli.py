@@ -99,6 +99,43 @@ def test_spec_file_errors(capsys, tmp_path):
     assert rc == 2 and "is not UTF-8 text" in err and "Traceback" not in err
 
 
+def test_train_that_cannot_start_exits_2_before_importing_train(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sage_core.train", None)  # importing it would raise
+    rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", "num_prompts=4", "--output-dir",
+                         str(tmp_path / "run"))
+    assert rc == 2 and "num_prompts (4) is fewer than prompts_per_step (8)" in err
+    assert not (tmp_path / "run").exists()
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--output-dir", str(a_file))
+    assert rc == 2 and err.startswith(f"sage train: --output-dir {a_file}: exists and is not a folder")
+    assert a_file.read_text() == "mine"
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_train_into_the_folder_of_another_spec_exits_2_and_keeps_its_files(capsys, tmp_path, tiny_model_dir):
+    """A run folder holds one spec's run: another method, data or --no-resume with another spec is refused and
+    every file of the first run stays as it was; a longer max_steps continues it."""
+    out = tmp_path / "run"
+    small = ["--preset", "tiny-cpu", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--set",
+             "num_generations=2", "--set", "max_completion_length=8", "--output-dir", str(out)]
+    rc, _, err = run_cli(capsys, "train", *small, "--set", "max_steps=1")
+    assert rc == 0, err
+    before = _tree(out)
+    for other in (["--set", "method=grpo"], ["--set", "method=grpo", "--no-resume"], ["--set", "data=rows.jsonl"]):
+        rc, _, err = run_cli(capsys, "train", *small, "--set", "max_steps=1", *other)
+        assert rc == 2 and err.startswith(f"sage train: --output-dir {out} holds a run of another spec (")
+        assert ("method 'sage' -> 'grpo'" if "method=grpo" in other else "data 'synthetic' -> 'rows.jsonl'") in err
+        assert _tree(out) == before
+    rc, _, err = run_cli(capsys, "train", *small, "--set", "max_steps=2")
+    assert rc == 0, err
+    assert json.loads((out / "train_result.json").read_text())["global_step"] == 2
+    assert (out / "checkpoint-1").is_dir() and (out / "tracker" / "step_000002.parquet").is_file()
+
+
 def test_train_validation_error_exits_before_importing_train(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "sage_core.train", None)  # importing it would raise
     rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", "num_generations=1")
