@@ -114,6 +114,10 @@ class RolloutBudget(TrainerCallback):
     def __init__(self, budget: int):
         self.budget, self.spent = budget, 0.0
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        """A resumed run has already spent what its checkpoint's log history holds."""
+        self.spent = sum((h.get("sage/rollouts", 0.0) or 0.0) for h in state.log_history)
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.spent += (logs or {}).get("sage/rollouts", 0.0) or 0.0
         if self.spent >= self.budget:

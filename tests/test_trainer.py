@@ -245,6 +245,15 @@ def test_rollout_budget_stops_training_when_spent():
     assert control.should_training_stop and cb.spent == 104
 
 
+def test_rollout_budget_counts_what_was_spent_before_a_resume(tiny_model_dir, tmp_path):
+    """GRPO rolls out 4 x 8 = 32 completions a step: a budget of 64 stops after step 2, also when the run was
+    stopped after step 1 and resumed (the budget counts the steps before the checkpoint too)."""
+    spec = small("grpo", num_prompts=4, max_steps=4, save_steps=1, rollout_budget=64)
+    train(spec.model_copy(update={"max_steps": 1}), tmp_path)
+    res = train(spec, tmp_path)
+    assert res.global_step == 2 and res.summary["rollouts"] == 64
+
+
 WORDS = {1: "one", 2: "two", 3: "three"}
 
 
