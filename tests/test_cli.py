@@ -163,6 +163,13 @@ def test_eval_of_a_missing_model_folder_exits_2_naming_it(capsys, tmp_path):
     assert rc == 2 and err.startswith(f"sage eval: model not found: {tmp_path / 'final'} does not exist")
 
 
+def test_eval_of_a_folder_that_is_no_model_exits_2_naming_it(capsys, tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    rc, _, err = run_cli(capsys, "eval", "--model", str(folder), "--benchmark", "s=synthetic")
+    assert rc == 2 and err.startswith(f"sage eval: model folder {folder} has no config.json: not a saved model")
+
+
 def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
     """`sage train` hands the built spec, the output dir and resume to sage_core.train.train and writes
     train_result.json (the file sage_core.launch reads back)."""
