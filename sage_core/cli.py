@@ -276,8 +276,26 @@ def benchmark_rows(spec, path: str):
     return load_rows(path, limit=spec.eval_num_prompts, system_prompt=_system_prompt_for(spec))
 
 
+def check_eval_output(path: str | None) -> None:
+    """Refuse an --output the table could not be written to, before the evaluation runs: not .parquet or .json, a
+    folder, or a folder that cannot be made for it."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.suffix.lower() not in (".parquet", ".json"):
+        raise SpecError(f"--output {path}: the table is written as .parquet or .json, not "
+                        f"{p.suffix or 'a file without extension'}")
+    if p.is_dir():
+        raise SpecError(f"--output {path}: is a folder")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecError(f"--output {path}: its folder cannot be created ({e.strerror})") from None
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     benchmarks = parse_benchmarks(args.benchmark)
+    check_eval_output(args.output)
     spec = build_spec(args.preset, args.spec, args.set)
     updates: dict[str, Any] = {}
     for name, field in (("k", "eval_k"), ("num_prompts", "eval_num_prompts"), ("temperature", "eval_temperature"),
@@ -303,8 +321,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                      top_p=spec.eval_top_p, max_new_tokens=spec.max_completion_length, seed=spec.seed,
                      gguf_file=spec.gguf_file)
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        if args.output.endswith(".parquet"):
+        if args.output.lower().endswith(".parquet"):
             table.to_parquet(args.output, index=False)
         else:
             Path(args.output).write_text(json.dumps(_jsonable(table), indent=2))

@@ -227,6 +227,21 @@ def test_eval_argument_errors(capsys):
         cli.main(["eval", "--benchmark", "a=x"])  # --model is required (argparse exits 2)
 
 
+@pytest.mark.parametrize("name, needle", [("table.csv", "written as .parquet or .json, not .csv"),
+                                          ("folder", "written as .parquet or .json, not a file without extension"),
+                                          ("folder.json", "is a folder"),
+                                          ("notes.txt/eval.json", "its folder cannot be created")])
+def test_eval_output_that_cannot_be_written_exits_2_before_evaluating(capsys, tmp_path, monkeypatch, name, needle):
+    monkeypatch.setitem(sys.modules, "sage_core.evaluate", None)  # evaluating would raise
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder.json").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "s=synthetic", "--output",
+                         str(tmp_path / name))
+    assert rc == 2 and err.startswith(f"sage eval: --output {tmp_path / name}: ") and needle in err, err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_launch_dry_run_prints_commands(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("SAGE_TRAIN_VENV", raising=False)
     rc, out, _ = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "8", "--vllm-mode", "server",
