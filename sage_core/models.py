@@ -426,10 +426,11 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
     if _looks_local(name) and not Path(name).expanduser().exists():
         raise ModelNotFound(f"model not found: {Path(name).expanduser().resolve()} does not exist (a model is 'tiny', "
                             "'smollm2', a local folder or .gguf file, or a Hugging Face id such as org/name)")
-    folder = Path(name).expanduser()
-    if gguf_file is None and folder.is_dir() and not (folder / "config.json").is_file():
-        raise ModelNotFound(f"model folder {folder.resolve()} has no config.json: not a saved model (a run's trained "
-                            "model is its final/ folder, or a checkpoint-N/ one)")
+    local = Path(name).expanduser()
+    if gguf_file is None and local.exists() and not (local / "config.json").is_file():
+        what = "model folder" if local.is_dir() else "model file"
+        raise ModelNotFound(f"{what} {local.resolve()} has no config.json: not a saved model, which is a folder (a "
+                            "run's trained model is its final/ or a checkpoint-N/ folder) or a .gguf file")
     if gguf_file is None and _is_generic_fast_tokenizer(name):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(name)  # e.g. a checkpoint of the tiny model
     else:

@@ -168,6 +168,10 @@ def test_eval_of_a_folder_that_is_no_model_exits_2_naming_it(capsys, tmp_path):
     folder.mkdir()
     rc, _, err = run_cli(capsys, "eval", "--model", str(folder), "--benchmark", "s=synthetic")
     assert rc == 2 and err.startswith(f"sage eval: model folder {folder} has no config.json: not a saved model")
+    table = tmp_path / "rows.csv"  # e.g. a teacher hints file of the wrong type, taken for a model
+    table.write_text("prompt_id,level,hint\n")
+    rc, _, err = run_cli(capsys, "eval", "--model", str(table), "--benchmark", "s=synthetic")
+    assert rc == 2 and err.startswith(f"sage eval: model file {table} has no config.json: not a saved model")
 
 
 def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
