@@ -127,17 +127,22 @@ RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "rollout_budget", "eval
 
 def check_run_dir(spec, out: Path) -> None:
     """Refuse, before anything is written, a training run that cannot start or would write over another run: fewer
-    prompts than a step draws, an output dir that is not a folder, or one whose spec.json (written by every run)
-    records another spec (fields outside RESUMABLE_FIELDS differ). Training there would resume that run under the
-    new spec, or with --no-resume overwrite its checkpoints, tracker and final model. An unreadable spec.json
-    records nothing and is not checked."""
+    prompts than a step draws, an output dir that is not a folder, or one that holds a run (checkpoints, tracker
+    files, a final model or an MLflow run id) whose spec.json records another spec (fields outside RESUMABLE_FIELDS
+    differ). Training there would resume that run under the new spec, or with --no-resume overwrite its
+    checkpoints, tracker and final model. A folder left by a run that failed before its first step, or with an
+    unreadable spec.json, is not refused."""
     from .spec import RunSpec
+    from .tracking import RUN_ID_FILE
 
     if spec.num_prompts < spec.prompts_per_step:
         raise SpecError(f"num_prompts ({spec.num_prompts}) is fewer than prompts_per_step ({spec.prompts_per_step}): "
                         "no training step could be drawn; raise num_prompts or lower prompts_per_step")
     if out.exists() and not out.is_dir():
         raise SpecError(f"--output-dir {out}: exists and is not a folder")
+    if not (any(out.glob("checkpoint-*")) or any(out.glob("tracker/*.parquet")) or (out / "final").exists()
+            or (out / RUN_ID_FILE).exists()):
+        return
     try:
         old = json.loads((out / "spec.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):  # none, or unreadable

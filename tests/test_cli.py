@@ -121,19 +121,31 @@ def test_train_into_the_folder_of_another_spec_exits_2_and_keeps_its_files(capsy
     every file of the first run stays as it was; a longer max_steps continues it."""
     out = tmp_path / "run"
     small = ["--preset", "tiny-cpu", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--set",
-             "num_generations=2", "--set", "max_completion_length=8", "--output-dir", str(out)]
-    rc, _, err = run_cli(capsys, "train", *small, "--set", "max_steps=1")
+             "num_generations=2", "--set", "max_completion_length=8", "--set", "max_steps=1"]
+    rc, _, err = run_cli(capsys, "train", *small, "--output-dir", str(out))
     assert rc == 0, err
     before = _tree(out)
     for other in (["--set", "method=grpo"], ["--set", "method=grpo", "--no-resume"], ["--set", "data=rows.jsonl"]):
-        rc, _, err = run_cli(capsys, "train", *small, "--set", "max_steps=1", *other)
+        rc, _, err = run_cli(capsys, "train", *small, *other, "--output-dir", str(out))
         assert rc == 2 and err.startswith(f"sage train: --output-dir {out} holds a run of another spec (")
         assert ("method 'sage' -> 'grpo'" if "method=grpo" in other else "data 'synthetic' -> 'rows.jsonl'") in err
         assert _tree(out) == before
-    rc, _, err = run_cli(capsys, "train", *small, "--set", "max_steps=2")
+    rc, _, err = run_cli(capsys, "train", *small, "--set", "max_steps=2", "--output-dir", str(out))
     assert rc == 0, err
     assert json.loads((out / "train_result.json").read_text())["global_step"] == 2
     assert (out / "checkpoint-1").is_dir() and (out / "tracker" / "step_000002.parquet").is_file()
+
+
+def test_a_folder_where_a_run_failed_to_start_takes_another_spec(capsys, tmp_path):
+    """A run that failed before its first step leaves only its spec.json: nothing to keep, so another spec may
+    use the folder (it gets past the folder check to its own error)."""
+    out = tmp_path / "run"
+    for i in (1, 2):
+        bad = tmp_path / f"rows{i}.jsonl"
+        bad.write_text('{"problem": "p"}\n')
+        rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", f"data={bad}", "--output-dir", str(out))
+        assert rc == 2 and err.startswith(f"sage train: {bad}: missing column 'answer'"), err
+        assert json.loads((out / "spec.json").read_text())["data"] == str(bad)
 
 
 def test_train_validation_error_exits_before_importing_train(capsys, monkeypatch):
