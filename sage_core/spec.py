@@ -23,9 +23,11 @@ class RunSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # what to train
-    model: str = Field("tiny", description="'tiny' (built offline), a local path, an HF id, or a .gguf file path")
+    model: str = Field("tiny", min_length=1,
+                       description="'tiny' (built offline), a local path, an HF id, or a .gguf file path")
     gguf_file: str | None = Field(None, description="GGUF file name inside `model` (transformers gguf_file)")
-    data: str = Field("synthetic", description="'synthetic', a .parquet/.jsonl file, or an HF dataset name")
+    data: str = Field("synthetic", min_length=1,
+                      description="'synthetic', a .parquet/.jsonl file, or an HF dataset name")
     data_split: str = "train"
     num_prompts: int = Field(64, ge=1, description="synthetic task size / max rows taken from a file")
     difficulty: Literal["mixed", "easy", "hard"] = "mixed"

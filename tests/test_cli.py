@@ -69,6 +69,7 @@ def test_spec_defaults_to_tiny_cpu(capsys):
     (["--set", "max_steps"], "--set expects key=value"),
     (["--preset", "tiny-gpu"], "unknown preset 'tiny-gpu' (did you mean tiny-cpu"),
     (["--spec", "/nonexistent/spec.json"], "no such file"),
+    (["--set", "data="], "data: String should have at least 1 character (got '')"),
     (["--set", "eval_temperature=-1"], "eval_temperature: Input should be greater than or equal to 0"),
     (["--set", "eval_top_p=1.5"], "eval_top_p: Input should be less than or equal to 1"),
     (["--set", "micro_batch_size=3"], "micro_batch_size (3) must divide prompts_per_step x num_generations (8 x 8"),
