@@ -160,14 +160,21 @@ class CachedHints(HintSource):
 
 
 class FixedHints(CachedHints):
-    """Hints written once by the initial policy for every prompt and level, persisted to `path` (JSONL).
-    An existing file is reused, so a resumed run keeps the hints of its initial policy."""
+    """Hints written once by the initial policy for every prompt and level, persisted to `path` (JSONL), and the
+    (prompt, level) pairs where a sample leaked to `<stem>_leaked.json`. Existing files are reused, so a resumed
+    run keeps the hints of its initial policy and reports the same leaks."""
 
     name = "fixed"
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         super().__init__(read_hints(self.path) if self.path.exists() else {})
+        if self.path.exists() and self.leaks_path.exists():
+            self.leaked = {(str(pid), int(lvl)) for pid, lvl in json.loads(self.leaks_path.read_text())}
+
+    @property
+    def leaks_path(self) -> Path:
+        return self.path.with_name(f"{self.path.stem}_leaked.json")
 
     def prepare(self, rows, ctx):
         if self.hints:
@@ -182,7 +189,9 @@ class FixedHints(CachedHints):
                 self.hints[(pid, lvl)] = text
             if leaked:
                 self.leaked.add((pid, lvl))
-        if ctx.rank == 0:
+        if ctx.rank == 0:  # the leaks first: a hints file is only there with its leaks next to it
+            self.leaks_path.parent.mkdir(parents=True, exist_ok=True)
+            self.leaks_path.write_text(json.dumps(sorted(self.leaked)))
             write_hints(self.path, [(p, lvl, t) for (p, lvl), t in self.hints.items()])
         log.info("fixed hints: %d written by the initial policy to %s", len(self.hints), self.path)
 

@@ -86,6 +86,21 @@ def test_fixed_hints_written_once_by_initial_policy_and_reused(tmp_path):
     assert res.text == src.hints[("b", 2)]
 
 
+def test_fixed_hints_resumed_report_the_same_leaks(tmp_path):
+    """A fixed hint whose every sample leaked is no hint, and stays a leak for a resumed run (read from the files),
+    as does one written after a leaked sample."""
+    rows = [{"prompt_id": "a", "problem": "q a", "solution": "s", "answer": "9"}]
+    model = ScriptedModel(["= 9", "hint 2", "= 9", "hint 1", "= 9"])  # levels 1-3, then the resamples of 1 and 3
+    src = FixedHints(tmp_path / "fixed.jsonl")
+    src.prepare(rows, HintContext(generate=model, retries=1))
+    reqs = [HintRequest("a", "q a", "s", "9", lvl) for lvl in (1, 2, 3)]
+    first = src.get(reqs, HintContext(generate=ScriptedModel([])))
+    assert [(r.text, r.leaked) for r in first] == [("hint 1", True), ("hint 2", False), (None, True)]
+    again = FixedHints(tmp_path / "fixed.jsonl")
+    again.prepare(rows, HintContext(generate=ScriptedModel([]), retries=1))
+    assert again.get(reqs, HintContext(generate=ScriptedModel([]))) == first
+
+
 def test_teacher_file_hints_and_leak_guard(tmp_path):
     path = tmp_path / "teacher.jsonl"
     write_hints(path, [("p1", 3, "7 + 5 = 12 ."), ("p1", 2, "it is 9")])
