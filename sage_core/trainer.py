@@ -69,6 +69,15 @@ class SageConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.ddp_broadcast_buffers is None and self.sage_length_buckets:
+            # each process buckets its own rows, so processes run different numbers of loss forwards; DDP's default
+            # broadcast of module buffers at each forward is a collective and would leave them waiting on each
+            # other. A causal LM's buffers (rotary frequencies) are the same on every process: nothing to broadcast
+            self.ddp_broadcast_buffers = False
+        elif self.ddp_broadcast_buffers and self.sage_length_buckets:
+            raise ValueError("ddp_broadcast_buffers=True makes every forward a collective, and with sage_length_buckets "
+                             "processes run different numbers of forwards (they would wait forever): set "
+                             "sage_length_buckets=False to broadcast buffers")
         local = self.per_device_train_batch_size * self.steps_per_generation
         if local % self.num_generations:
             raise ValueError(

@@ -22,3 +22,25 @@ def test_two_processes_agree(tiny_model_dir, tmp_path, method):
         second = pd.read_parquet(files[1]).set_index("prompt_id")
         levels = r0["scheduler"]["levels"]
         assert all(0 <= levels[p] <= 3 for p in second.index)
+
+
+def test_ranks_whose_loss_forwards_differ_in_count_do_not_wait_on_each_other(tiny_model_dir, tmp_path):
+    """The loss's forward runs once per length bucket, and each rank buckets its own rows, so ranks make different
+    numbers of forwards. DDP's default broadcast of module buffers makes every forward a collective: the rank with
+    fewer forwards went on to the loss's all-reduce while the other waited in its next forward's broadcast, forever
+    (seen on two CPU ranks). Here one rank splits every length into a bucket and the other never splits."""
+    _, r0, r1 = run_two_ranks(tmp_path, "sage", bucket_overhead=(0, 10**9), timeout=300)
+    assert r0["forwards"] > r1["forwards"] > 0
+    assert global_metrics(r0["history"]) == global_metrics(r1["history"])
+    assert r0["scheduler"] == r1["scheduler"]
+
+
+def test_ddp_broadcasts_buffers_only_when_every_process_runs_the_same_forwards(tmp_path):
+    from sage_core.trainer import SageConfig
+
+    kw = {"output_dir": str(tmp_path), "use_cpu": True, "bf16": False, "per_device_train_batch_size": 8,
+          "num_generations": 8, "report_to": "none"}
+    assert SageConfig(**kw).ddp_broadcast_buffers is False  # length buckets (the default): per-process forwards
+    assert SageConfig(**kw, sage_length_buckets=False).ddp_broadcast_buffers is None  # TRL's loop: DDP's default
+    with pytest.raises(ValueError, match="sage_length_buckets=False"):
+        SageConfig(**kw, ddp_broadcast_buffers=True)
