@@ -62,7 +62,9 @@ WARM_START: dict[str, Any] = dict(steps=1200, batch_size=16, lr=2e-3, warmup=50,
                                   hinted_levels=(0.1, 0.2, 0.7), threads=2)
 # What the recipe above gave (seed 0, sampled at temperature 1, 300 problems each; own_hint_*: the model's hint
 # for a hint request equals the reference hint; with its own hints it solves 0.43-0.49 of mixed problems against
-# 0.29 with none):
+# 0.29 with none). The weights are the same for 1 and 2 threads on one machine but differ across CPUs (kernels
+# round differently): an AVX2-only AMD EPYC built a model that solves 0.97 of easy problems (100 sampled), 0.02 of
+# hard ones, 0.34 of hard ones with the level-3 hint:
 WARM_START_MEASURED = {"easy": 0.85, "two_step": 0.035, "hard": 0.017, "hard+hint_l1": 0.16, "hard+hint_l2": 0.18,
                        "hard+hint_l3": 0.27, "own_hint_exact_l1": 0.85, "own_hint_exact_l2": 0.79,
                        "own_hint_exact_l3": 0.49, "own_hint_leak_l3": 0.067}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_core import data, models, prompts
+from sage_core import data, gate, models, prompts
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +177,12 @@ def test_tiny_model_difficulty_profile(tiny):
     hinted = [prompts.hinted_problem(r["problem"], data.reference_hint(r, 3)) for r in hard]
     acc_hint = _acc(_sample(model, tok, hinted), hard)
     print(f"easy {acc_easy:.2f} hard {acc_hard:.2f} hard+L3 {acc_hint:.2f}")
-    # see models.WARM_START_MEASURED for the numbers at build time
-    assert 0.3 <= acc_easy <= 0.95
+    # see models.WARM_START_MEASURED for the numbers at build time. The build is deterministic on a machine (1 and 2
+    # threads give the same weights) but not across CPUs: the same recipe and library versions gave easy 0.85 where
+    # it was tuned and 0.97 on an AVX2-only EPYC (its kernels round differently, and 1200 steps amplify that). What
+    # the task needs of easy prompts: solved often, yet their groups of G=8 still have mixed outcomes (an open gate)
+    # at least 1 time in 10, so GRPO learns from them
+    assert acc_easy >= 0.3 and gate.gate_open_probability(acc_easy, 8) >= 0.1
     assert acc_hard <= 0.08
     assert acc_hint >= acc_hard + 0.1
 
