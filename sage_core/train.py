@@ -124,11 +124,44 @@ class RolloutBudget(TrainerCallback):
             control.should_training_stop = True
 
 
+TRAIN_SECONDS_FILE = "sage_train_seconds.json"  # in each checkpoint: the training loop's seconds up to it
+
+
+class TrainTime(TrainerCallback):
+    """The training loop's time over every session of a run: each checkpoint records the seconds trained up to it
+    (earlier sessions' and this one's), and a resumed run starts from its checkpoint's. The time a killed session
+    spent after its last checkpoint is not counted: those steps are trained (and timed) again."""
+
+    def __init__(self, before: float = 0.0):
+        self.before, self.t0 = before, time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.t0 = time.perf_counter()
+
+    def on_save(self, args, state, control, **kwargs):
+        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and ckpt.is_dir():
+            (ckpt / TRAIN_SECONDS_FILE).write_text(json.dumps({"train_seconds": self.seconds()}))
+
+    def seconds(self) -> float:
+        return self.before + time.perf_counter() - self.t0
+
+    @staticmethod
+    def at(ckpt: Path | None) -> float:
+        """Seconds trained up to a checkpoint (0 without one; NaN for a checkpoint written before this record)."""
+        if ckpt is None:
+            return 0.0
+        try:
+            return float(json.loads((ckpt / TRAIN_SECONDS_FILE).read_text())["train_seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return float("nan")
+
+
 def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
     """What every trainer of a spec is built from: its config, data set, model and tokenizer."""
     import torch
 
-    from .data import build_dataset
+    from .data import DataError, build_dataset
     from .models import load_policy
     from .reward import warm_pool_in_background
     from .vllm_cpu import keep_plain_weights
@@ -138,9 +171,9 @@ def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
         keep_plain_weights()
     dataset = build_dataset(spec)
     if len(dataset) < spec.prompts_per_step:  # TRL's sampler would draw no step and "finish" having trained nothing
-        raise ValueError(f"{spec.data}: {len(dataset)} training prompts, fewer than prompts_per_step="
-                         f"{spec.prompts_per_step}; raise num_prompts (or use a larger data set) or lower "
-                         "prompts_per_step")
+        raise DataError(f"{spec.data}: {len(dataset)} training prompts, fewer than prompts_per_step="
+                        f"{spec.prompts_per_step}; raise num_prompts (or use a larger data set) or lower "
+                        "prompts_per_step")
     warm_pool_in_background()
     # float32 master weights, as TRL loads them (transformers 5 would load a bf16 checkpoint in bf16, where AdamW
     # steps of lr 1e-6 round to nothing); bf16 compute comes from args.bf16 (autocast), vLLM reads the config
@@ -224,9 +257,10 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     (output_dir / "spec.json").write_text(spec.model_dump_json(indent=2))
     set_seed(spec.seed)
     t0 = time.perf_counter()
-    trainer = build_trainer(spec, output_dir, callbacks)
     ckpt = last_checkpoint(output_dir) if resume else None
     step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
+    clock = TrainTime(TrainTime.at(ckpt))
+    trainer = build_trainer(spec, output_dir, [*callbacks, clock])
     if stale := trainer.tracker.discard_after(step):
         log.warning("%s: %d tracker files of steps after %s were discarded (written after the last checkpoint, "
                     "or by an earlier run); those steps are trained again", output_dir, len(stale),
@@ -241,7 +275,8 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     wall = time.perf_counter() - t0
     history = list(trainer.state.log_history)
     summary = summarize(history, trainer.tracker)
-    summary["wall_seconds"] = wall
+    summary["train_seconds"] += clock.before  # a resumed run: its earlier sessions' training time too
+    summary["wall_seconds"] = wall  # this session's, model loading included
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     release_vllm(trainer)
     return TrainResult(output_dir, final, Path(trainer.args.tracker_dir), trainer.state.global_step, wall,

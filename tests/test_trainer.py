@@ -12,7 +12,7 @@ from sage_core.hints import write_hints, write_reference_hints
 from sage_core.presets import preset
 from sage_core.prompts import HINT_HEADER
 from sage_core.tracker import COLUMNS, read_tracker
-from sage_core.train import build_trainer, train
+from sage_core.train import TrainTime, build_trainer, train
 from sage_core.trainer import _groups_by_prompt_id
 
 SMALL = dict(num_prompts=8, prompts_per_step=4, num_generations=8, max_completion_length=40, save_steps=100)
@@ -187,6 +187,11 @@ def test_resume_across_an_epoch_follows_the_straight_run(tiny_model_dir, tmp_pat
     assert resumed.summary["never_solved"] == straight.summary["never_solved"]
     wa, wb = (load_file(str(r.checkpoint_dir / "model.safetensors")) for r in (straight, resumed))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # time: the resumed run's covers both sessions, as its rollout and hint seconds (summed over the log) do
+    before = TrainTime.at(tmp_path / "resumed" / "checkpoint-1")
+    session = next(h["train_runtime"] for h in resumed.log_history if "train_runtime" in h)
+    assert 0 < before and resumed.summary["train_seconds"] == pytest.approx(before + session)
+    assert resumed.summary["gen_seconds"] + resumed.summary["hint_seconds"] < resumed.summary["train_seconds"]
 
 
 def test_resume_discards_tracker_files_written_after_the_checkpoint(tiny_model_dir, tmp_path):
