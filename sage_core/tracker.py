@@ -1,7 +1,8 @@
 """Per-prompt tracker: what happened to every prompt id at every step, one Parquet file per step.
 
 Files are written once (`tracker/step_000012.parquet`) and never rewritten, so a long run costs O(batch) I/O per
-step (a resumed run first discards the files of steps after its checkpoint, which it trains again). Reloading them rebuilds the run's memory: which prompts were ever solved, and (by replaying
+step (a resumed run first discards the files of steps after its checkpoint, which it trains again). Reloading
+them rebuilds the run's memory: which prompts were ever solved, and (by replaying
 `scheduler.observe`) the SAGE-LIGHT levels, so a resumed run continues where it stopped.
 """
 
@@ -67,14 +68,14 @@ class PromptTracker:
     def files(self, up_to_step: int | None = None) -> list[Path]:
         files = sorted(self.dir.glob("step_*.parquet"))
         if up_to_step is not None:
-            files = [f for f in files if int(f.stem.split("_")[1]) <= up_to_step]
+            files = [f for f in files if _step(f) <= up_to_step]
         return files
 
     def discard_after(self, step: int) -> list[Path]:
         """Delete the files of steps after `step` (a run resuming from that step's checkpoint, or 0 for a fresh
         start): they belong to a trajectory the run does not follow, e.g. steps a killed run wrote after its last
         checkpoint. Returns them; only the writing process deletes."""
-        stale = [f for f in self.files() if int(f.stem.split("_")[1]) > step]
+        stale = [f for f in self.files() if _step(f) > step]
         if self.write:
             for f in stale:
                 f.unlink(missing_ok=True)
@@ -101,3 +102,8 @@ def _isnan(x) -> bool:
         return math.isnan(x)
     except TypeError:
         return False
+
+
+def _step(path: Path) -> int:
+    """The step of a tracker file, `step_000012.parquet` -> 12."""
+    return int(path.stem.split("_")[1])
