@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from .data import DataError
+
 COLUMNS = [
     "step", "prompt_id", "problem", "answer", "difficulty", "base_pass_rate", "base_state", "level",
     "max_level_tried", "pass_rate", "rescued", "hint", "hint_l1", "hint_l2", "hint_l3", "acc_l1", "acc_l2",
@@ -84,7 +86,13 @@ class PromptTracker:
     def reload(self, up_to_step: int | None = None) -> Iterable[dict]:
         """Absorb the files of steps <= up_to_step and yield their records in step order (for scheduler replay)."""
         for f in self.files(up_to_step):
-            for rec in pd.read_parquet(f).to_dict("records"):
+            try:
+                records = pd.read_parquet(f).to_dict("records")
+            except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+                raise DataError(f"tracker file {f} cannot be read ({type(e).__name__}: {e}); the run's per-prompt "
+                                "state is replayed from it on resume: restore it, or start over (--no-resume)"
+                                ) from e
+            for rec in records:
                 self._absorb(rec)
                 yield rec
 

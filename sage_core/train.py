@@ -247,6 +247,28 @@ def last_checkpoint(output_dir: str | Path) -> Path | None:
     return max(ckpts, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 
+def check_checkpoint(ckpt: Path) -> None:
+    """A checkpoint a run resumes from must be readable: its trainer state (JSON) and its weights (safetensors
+    headers, which also hold the file sizes). A bad one is a DataError naming the file, before anything runs."""
+    from safetensors import SafetensorError, safe_open
+
+    from .data import DataError
+
+    state = ckpt / "trainer_state.json"
+    try:
+        json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{state} cannot be read ({e}); remove {ckpt.name} to resume from the checkpoint before "
+                        "it, or start over (--no-resume)") from e
+    for weights in sorted(ckpt.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as e:
+            raise DataError(f"{weights} cannot be read ({e}); remove {ckpt.name} to resume from the checkpoint "
+                            "before it, or start over (--no-resume)") from e
+
+
 def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = True) -> TrainResult:
     """Train one run. With resume=True a run whose output_dir holds a checkpoint continues from it (optimizer,
     step, and the scheduler/tracker state replayed from the tracker files)."""
@@ -258,6 +280,8 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     set_seed(spec.seed)
     t0 = time.perf_counter()
     ckpt = last_checkpoint(output_dir) if resume else None
+    if ckpt is not None:
+        check_checkpoint(ckpt)
     step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
     clock = TrainTime(TrainTime.at(ckpt))
     trainer = build_trainer(spec, output_dir, [*callbacks, clock])

@@ -345,3 +345,25 @@ def test_grpo_trains_exactly_like_trls_own_grpo_trainer(tiny_model_dir, tmp_path
 
     start = load_policy("tiny")[0].state_dict()
     assert max(float((stock_w[k] - v).abs().max()) for k, v in start.items()) > 1e-4  # the weights did move
+
+
+def test_a_corrupt_checkpoint_or_tracker_file_is_named_when_resuming(tiny_model_dir, tmp_path):
+    """Resuming reads the checkpoint's trainer state and weights and replays the tracker files: a file that cannot
+    be read is a DataError naming it (sage train exits 2), raised before training starts, and nothing is deleted."""
+    import shutil
+
+    from sage_core.data import DataError
+
+    spec = small("sage-light", num_prompts=4, max_steps=1, save_steps=1)
+    train(spec, tmp_path / "run")
+    more = spec.model_copy(update={"max_steps": 2})
+    for name, rel in (("state", "checkpoint-1/trainer_state.json"), ("weights", "checkpoint-1/model.safetensors"),
+                      ("tracker", "tracker/step_000001.parquet")):
+        run = tmp_path / name
+        shutil.copytree(tmp_path / "run", run)
+        (run / rel).write_bytes((run / rel).read_bytes()[: 40])  # cut short, as by a full disk
+        before = sorted(p.relative_to(run) for p in run.rglob("*"))
+        with pytest.raises(DataError, match=str(run / rel).replace("\\", "\\\\")):
+            train(more, run)
+        assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+        assert not (run / "checkpoint-2").exists()
