@@ -240,15 +240,36 @@ def _encode_batch(tokenizer, pairs: list[tuple[str, str]]):
 
 def _train_threads() -> int:
     """2 threads on an idle 2-core machine; 1 when the machine is busy (OpenMP threads spinning against other
-    processes made a step up to 10x slower in measurements on a loaded 2-core box)."""
+    processes made a step up to 10x slower in measurements on a loaded 2-core box). Busy is measured now, over half
+    a second: the load average still counts a pip install that ended a minute ago (as at the start of `make test`,
+    where a 1-thread build took 275 s against 186 s). Either way the weights are the same (checked: 1 and 2 threads
+    give identical files)."""
     cores = os.cpu_count() or 1
     want = max(1, min(WARM_START["threads"], cores))
+    busy = _busy_cores()
+    if busy is None:
+        try:
+            busy = os.getloadavg()[0]
+        except OSError:
+            busy = 0.0
+    return 1 if busy > 0.75 * cores else want
+
+
+def _busy_cores(window: float = 0.5) -> float | None:
+    """Cores in use over the next `window` seconds, from /proc/stat (None where it cannot be read)."""
+    def snapshot() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+
     try:
-        if os.getloadavg()[0] > 0.75 * cores:
-            want = 1
-    except OSError:
-        pass
-    return want
+        total0, idle0 = snapshot()
+        time.sleep(window)
+        total1, idle1 = snapshot()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / total) if total > 0 else 0.0
 
 
 def build_tiny(out_dir: str | Path, seed: int = 0, steps: int | None = None, log_every: int = 100,

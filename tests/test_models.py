@@ -252,3 +252,19 @@ def test_load_smollm2_from_the_pypi_gguf():
         out = model.generate(**enc, do_sample=False, max_new_tokens=12)
     assert out.shape[1] > enc["input_ids"].shape[1]
     assert os.path.basename(models.resolve_model_path("smollm2")) == models.SMOLLM2_FILE
+
+
+def test_warm_start_takes_one_thread_while_the_cores_are_busy_now():
+    import subprocess
+    import sys
+
+    spin = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 4: pass"])
+            for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.5)
+        assert models._busy_cores() > 0.75 * (os.cpu_count() or 1)
+        assert models._train_threads() == 1
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
