@@ -9,12 +9,15 @@ them rebuilds the run's memory: which prompts were ever solved, and (by replayin
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
 import pandas as pd
 
 from .data import DataError
+
+_FILE = re.compile(r"step_(\d+)\.parquet")  # one file per step: tracker/step_000012.parquet
 
 COLUMNS = [
     "step", "prompt_id", "problem", "answer", "difficulty", "base_pass_rate", "base_state", "level",
@@ -70,14 +73,14 @@ class PromptTracker:
     def files(self, up_to_step: int | None = None) -> list[Path]:
         files = sorted(self.dir.glob("step_*.parquet"))
         if up_to_step is not None:
-            files = [f for f in files if _step(f) <= up_to_step]
+            files = [f for f in files if step_of(f.name) <= up_to_step]
         return files
 
     def discard_after(self, step: int) -> list[Path]:
         """Delete the files of steps after `step` (a run resuming from that step's checkpoint, or 0 for a fresh
         start): they belong to a trajectory the run does not follow, e.g. steps a killed run wrote after its last
         checkpoint. Returns them; only the writing process deletes."""
-        stale = [f for f in self.files() if _step(f) > step]
+        stale = [f for f in self.files() if step_of(f.name) > step]
         if self.write:
             for f in stale:
                 f.unlink(missing_ok=True)
@@ -112,6 +115,7 @@ def _isnan(x) -> bool:
         return False
 
 
-def _step(path: Path) -> int:
-    """The step of a tracker file, `step_000012.parquet` -> 12."""
-    return int(path.stem.split("_")[1])
+def step_of(name: str) -> int | None:
+    """The step of a tracker file name, `step_000012.parquet` -> 12; None for any other name."""
+    m = _FILE.fullmatch(name)
+    return int(m.group(1)) if m else None

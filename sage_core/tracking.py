@@ -52,7 +52,6 @@ DROPPED_PROMPTS = "dropped_prompts.json"  # rows over max_prompt_length, left ou
 EVAL_COLUMNS = ["benchmark", "when", "k", "avg_at_k", "pass_at_k", "n_prompts"]
 # checkpoint files that are training state, not the model: never uploaded under checkpoint/
 _CHECKPOINT_SKIP = re.compile(r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state.*\.pth|training_args\.bin)$")
-_TRACKER_FILE = re.compile(r"^step_\d+\.parquet$")
 _METRIC_BAD_CHARS = re.compile(r"[^0-9A-Za-z_\-\.\ :/]")
 
 
@@ -557,11 +556,13 @@ class MlflowTrackingCallback(TrainerCallback):
 
     def upload_tracker_files(self) -> list[str]:
         """Upload tracker files not uploaded yet; returns their names."""
+        from .tracker import step_of
+
         self._setup()
         tdir = (self.output_dir or Path(".")) / self.tracker_subdir
         if not tdir.is_dir():
             return []
-        new = sorted(p for p in tdir.iterdir() if _TRACKER_FILE.match(p.name) and p.name not in self.uploaded)
+        new = sorted(p for p in tdir.iterdir() if step_of(p.name) is not None and p.name not in self.uploaded)
         c = client()
         for p in new:
             c.log_artifact(self.run_id, str(p), self.tracker_subdir)
@@ -589,11 +590,13 @@ class MlflowTrackingCallback(TrainerCallback):
 
     # -- TrainerCallback
     def on_train_begin(self, args, state, control, **kwargs):
+        from .tracker import step_of
+
         if state.is_world_process_zero:
             self._setup(args)
             # a resumed run trains the steps after its checkpoint again: their files are uploaded again when
             # written (the run's copies, from before a kill, belong to the discarded trajectory)
-            self.uploaded = {n for n in self.uploaded if _tracker_step(n) <= state.global_step}
+            self.uploaded = {n for n in self.uploaded if (step_of(n) or 0) <= state.global_step}
             self.log_dropped_prompts()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -622,11 +625,6 @@ class MlflowTrackingCallback(TrainerCallback):
                 client().set_tag(self.run_id, "sage.checkpoint_step", ckpt.name.split("-")[-1])
         if self.owns_run:
             finish_run(self.run_id)
-
-
-def _tracker_step(name: str) -> int:
-    """The step of a tracker file name `step_000012.parquet` (0 for any other name)."""
-    return int(name[5:-8]) if _TRACKER_FILE.match(name) else 0
 
 
 def make_callback(spec: RunSpec | None = None, experiment: str | None = None, run_id: str | None = None,
