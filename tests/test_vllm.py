@@ -66,16 +66,27 @@ def sage_vllm(tiny_model_dir, tmp_path_factory):
     engine = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
     in_engine = {k: p.detach().clone() for k, p in engine.named_parameters() if k in SYNCED}
     ctx = trainer._context_limit()  # what every generate call is checked against (tests/test_context.py)
+    eager = trainer.vllm_generation.llm.llm_engine.vllm_config.model_config.enforce_eager
     # the engine goes now, not at module teardown: the tests below start engines of their own, and beside
     # this one on 2 cores the gpu_smoke test failed (each passes alone)
     release_vllm(trainer)
     return dict(trainer=trainer, out=out, spec=spec, initial=initial, after=snap.after, engine=in_engine,
-                calls=calls, seen=seen, ctx=ctx)
+                calls=calls, seen=seen, ctx=ctx, eager=eager)
 
 
 def test_prompts_are_checked_against_the_engines_context(sage_vllm):
     """With no max_prompt_length, vLLM sizes its context from the model config; the trainer reads it back."""
     assert sage_vllm["ctx"] == sage_vllm["trainer"].model.config.max_position_embeddings == 256
+
+
+def test_engines_without_cuda_start_eager_unless_asked_to_compile(sage_vllm, monkeypatch):
+    """TRL builds its engine without enforce_eager; on vLLM's CPU build it starts eager (no torch.compile at every
+    engine start), unless SAGE_VLLM_COMPILE=1."""
+    from sage_core.vllm_cpu import cpu_eager
+
+    assert sage_vllm["eager"] is True
+    monkeypatch.setenv("SAGE_VLLM_COMPILE", "1")
+    assert not cpu_eager()
 
 
 def test_engine_generates_from_the_policy_weights_of_the_step(sage_vllm):
