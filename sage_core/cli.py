@@ -118,43 +118,22 @@ def default_output_dir(spec) -> Path:
     return sage_home() / "runs" / f"{spec.method}-{spec.key()}"
 
 
-# RunSpec fields a run may change when it continues in its output dir: when it stops and saves, how it is evaluated,
-# where and in how much memory vLLM runs. A change to any other field makes it another run.
-RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "rollout_budget", "eval_k", "eval_num_prompts",
-                              "eval_temperature", "eval_top_p", "vllm_server_base_url",
-                              "vllm_gpu_memory_utilization"})
-
-
 def check_run_dir(spec, out: Path) -> None:
     """Refuse, before anything is written, a training run that cannot start or would write over another run: fewer
-    prompts than a step draws, an output dir that is not a folder, or one that holds a run (checkpoints, tracker
-    files, a final model or an MLflow run id) whose spec.json records another spec (fields outside RESUMABLE_FIELDS
-    differ). Training there would resume that run under the new spec, or with --no-resume overwrite its
-    checkpoints, tracker and final model. A folder left by a run that failed before its first step, or with an
-    unreadable spec.json, is not refused."""
-    from .spec import RunSpec
-    from .tracking import RUN_ID_FILE
+    prompts than a step draws, an output dir that is not a folder, or one that holds a run of another spec
+    (sage_core.spec.check_run_folder, which train() itself checks too)."""
+    from .spec import RunFolderTaken, check_run_folder
 
     if spec.num_prompts < spec.prompts_per_step:
         raise SpecError(f"num_prompts ({spec.num_prompts}) is fewer than prompts_per_step ({spec.prompts_per_step}): "
                         "no training step could be drawn; raise num_prompts or lower prompts_per_step")
     if out.exists() and not out.is_dir():
         raise SpecError(f"--output-dir {out}: exists and is not a folder")
-    if not (any(out.glob("checkpoint-*")) or any(out.glob("tracker/*.parquet")) or (out / "final").exists()
-            or (out / RUN_ID_FILE).exists()):
-        return
     try:
-        old = json.loads((out / "spec.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # none, or unreadable
-        return
-    if not isinstance(old, dict):
-        return
-    new = json.loads(spec.model_dump_json())
-    changed = [f"{k} {old.get(k, f.default)!r} -> {new[k]!r}" for k, f in RunSpec.model_fields.items()
-               if k not in RESUMABLE_FIELDS and old.get(k, f.default) != new[k]]
-    if changed:
-        raise SpecError(f"--output-dir {out} holds a run of another spec ({'; '.join(changed)}); train in another "
-                        "--output-dir (without one, each spec gets its own folder), or delete this one to start over")
+        check_run_folder(spec, out)
+    except RunFolderTaken as e:
+        raise SpecError(f"--output-dir {e}; train in another --output-dir (without one, each spec gets its own "
+                        "folder), or delete this one to start over") from None
 
 
 def _is_main_process() -> bool:

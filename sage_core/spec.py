@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -116,3 +117,38 @@ class RunSpec(BaseModel):
     @property
     def uses_hints(self) -> bool:
         return self.method in ("sage", "sage-light", "sage-light+ada-seq")
+
+
+# RunSpec fields a run may change when it continues in its output dir: when it stops and saves, how it is evaluated,
+# where and in how much memory vLLM runs. A change to any other field makes it another run.
+RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "rollout_budget", "eval_k", "eval_num_prompts",
+                              "eval_temperature", "eval_top_p", "vllm_server_base_url",
+                              "vllm_gpu_memory_utilization"})
+
+
+class RunFolderTaken(ValueError):
+    """An output dir that holds a run of another spec; the message names the folder and the changed fields."""
+
+
+def check_run_folder(spec: RunSpec, out: str | Path) -> None:
+    """Raise RunFolderTaken when `out` holds a run (checkpoints, tracker files, a final model or an MLflow run id)
+    whose spec.json records another spec (fields outside RESUMABLE_FIELDS differ): training there would resume that
+    run under the new spec, or without resuming overwrite its checkpoints, tracker and final model. A folder left by
+    a run that failed before its first step, or with an unreadable spec.json, passes."""
+    from .tracking import RUN_ID_FILE
+
+    out = Path(out)
+    if not out.is_dir() or not (any(out.glob("checkpoint-*")) or any(out.glob("tracker/*.parquet"))
+                                or (out / "final").exists() or (out / RUN_ID_FILE).exists()):
+        return
+    try:
+        old = json.loads((out / "spec.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none, or unreadable
+        return
+    if not isinstance(old, dict):
+        return
+    new = json.loads(spec.model_dump_json())
+    changed = [f"{k} {old.get(k, f.default)!r} -> {new[k]!r}" for k, f in RunSpec.model_fields.items()
+               if k not in RESUMABLE_FIELDS and old.get(k, f.default) != new[k]]
+    if changed:
+        raise RunFolderTaken(f"{out} holds a run of another spec ({'; '.join(changed)})")

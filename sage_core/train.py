@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 from transformers import TrainerCallback
 
-from .spec import RunSpec
+from .spec import RunSpec, check_run_folder
 
 log = logging.getLogger(__name__)
 
@@ -271,10 +271,12 @@ def check_checkpoint(ckpt: Path) -> None:
 
 def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = True) -> TrainResult:
     """Train one run. With resume=True a run whose output_dir holds a checkpoint continues from it (optimizer,
-    step, and the scheduler/tracker state replayed from the tracker files)."""
+    step, and the scheduler/tracker state replayed from the tracker files). An output_dir holding a run of another
+    spec is refused (RunFolderTaken) before anything is written."""
     from transformers import set_seed
 
     output_dir = Path(output_dir)
+    check_run_folder(spec, output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "spec.json").write_text(spec.model_dump_json(indent=2))
     set_seed(spec.seed)

@@ -12,6 +12,7 @@ import pytest
 
 from sage_core import cli
 from sage_core.presets import PRESETS
+from sage_core.spec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,6 +131,15 @@ def test_train_into_the_folder_of_another_spec_exits_2_and_keeps_its_files(capsy
         rc, _, err = run_cli(capsys, "train", *small, *other, "--output-dir", str(out))
         assert rc == 2 and err.startswith(f"sage train: --output-dir {out} holds a run of another spec (")
         assert ("method 'sage' -> 'grpo'" if "method=grpo" in other else "data 'synthetic' -> 'rows.jsonl'") in err
+        assert _tree(out) == before
+    # train() itself refuses too (the flows and library callers do not go through the CLI)
+    from sage_core.spec import RunFolderTaken
+    from sage_core.train import train
+
+    spec = json.loads((out / "spec.json").read_text())
+    for resume in (True, False):
+        with pytest.raises(RunFolderTaken, match=r"holds a run of another spec \(method 'sage' -> 'grpo'\)"):
+            train(RunSpec(**{**spec, "method": "grpo"}), out, resume=resume)
         assert _tree(out) == before
     rc, _, err = run_cli(capsys, "train", *small, "--set", "max_steps=2", "--output-dir", str(out))
     assert rc == 0, err
