@@ -292,7 +292,7 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
                     "or by an earlier run); those steps are trained again", output_dir, len(stale),
                     ckpt.name if ckpt is not None else "the start")
     if ckpt is not None:
-        replayed = trainer.restore_state(step)
+        replayed = trainer.restore_state(step, ckpt)
         log.info("resuming %s from %s (%d tracker records replayed)", output_dir, ckpt.name, replayed)
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     final = output_dir / "final"

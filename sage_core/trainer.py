@@ -15,6 +15,9 @@ every round gathers the work counts and pads each process to the largest.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from accelerate.utils import gather, gather_object
 from torch import nn
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler
@@ -36,6 +40,10 @@ from .prompts import LEVELS, hinted_problem
 from .reward import completion_text
 from .schedulers import Action, Scheduler, make_scheduler
 from .tracker import PromptTracker
+
+log = logging.getLogger(__name__)
+
+POOL_FILE = "sage_prompt_pool.json"  # in a checkpoint: each process's place in its fresh-prompt pool
 
 
 @dataclass
@@ -124,6 +132,7 @@ class SageGRPOTrainer(GRPOTrainer):
         self._row_weights: torch.Tensor | None = None
         self._hints_prepared = False
         self._pool = None  # fresh prompts for methods that swap a collapsed group for a new prompt
+        self._pool_pos = 0  # draws made from it (a resumed run starts from its checkpoint's, see restore_state)
         self._no_grad_rows: torch.Tensor | None = None  # rows of the current loss forward that carry no gradient
         self._ctx_limit: int | None | bool = False  # vLLM's context in tokens (None: unknown); False: not read yet
 
@@ -555,7 +564,6 @@ class SageGRPOTrainer(GRPOTrainer):
         if self._pool is None:
             gen = torch.Generator().manual_seed(self.args.seed + self.accelerator.process_index)
             self._pool = torch.randperm(n, generator=gen).tolist()
-            self._pool_pos = 0
         for _ in range(n):
             i = self._pool[self._pool_pos % n]
             self._pool_pos += 1
@@ -625,8 +633,28 @@ class SageGRPOTrainer(GRPOTrainer):
         m["sage/base_pass_rate"].append(sum(base) / len(base) if base else float("nan"))
 
     # ------------------------------------------------------------------------------------------ resume
-    def restore_state(self, up_to_step: int) -> int:
-        """Replay the tracker files of steps <= up_to_step into the tracker and the scheduler; returns the count."""
+    def _save_checkpoint(self, model, trial):
+        """HF's checkpoint, and each process's place in its fresh-prompt pool (methods that swap a collapsed group
+        for a new prompt), so that a resumed run draws the prompts the straight run draws. Every process calls it."""
+        super()._save_checkpoint(model, trial)
+        places = gather_object([self._pool_pos])
+        if self.accelerator.is_main_process and any(places):
+            ckpt = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            with open(os.path.join(ckpt, POOL_FILE), "w") as f:
+                json.dump(places, f)
+
+    def restore_state(self, up_to_step: int, checkpoint: str | os.PathLike | None = None) -> int:
+        """Replay the tracker files of steps <= up_to_step into the tracker and the scheduler, and take this
+        process's place in the fresh-prompt pool from `checkpoint`; returns the count of replayed records."""
+        pool = os.path.join(checkpoint, POOL_FILE) if checkpoint is not None else None
+        if pool is not None and os.path.exists(pool):
+            with open(pool) as f:
+                places = json.load(f)
+            rank, world = self.accelerator.process_index, self.accelerator.num_processes
+            if len(places) != world:  # each process has a pool of its own: the draws cannot follow the straight run
+                log.warning("%s: saved by %d processes, resumed by %d: the fresh prompts drawn after the resume "
+                            "differ from the straight run's", pool, len(places), world)
+            self._pool_pos = int(places[rank]) if rank < len(places) else 0
         count = 0
         for rec in self.tracker.reload(up_to_step):
             self.scheduler.observe(rec["prompt_id"], int(rec["level"]), [float(x) for x in rec["rewards"]],

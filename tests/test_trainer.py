@@ -194,6 +194,25 @@ def test_resume_across_an_epoch_follows_the_straight_run(tiny_model_dir, tmp_pat
     assert resumed.summary["gen_seconds"] + resumed.summary["hint_seconds"] < resumed.summary["train_seconds"]
 
 
+def test_resumed_dapo_filter_draws_the_fresh_prompts_of_the_straight_run(tiny_model_dir, tmp_path):
+    """DAPO-style dynamic sampling swaps collapsed groups for fresh prompts drawn through a permutation of the train
+    set. Stopped at step 1 and resumed, the run goes on from its place in that permutation (it restarted at the
+    first position, drawing again the prompts step 1 drew) and trains what the straight run trains."""
+    from safetensors.torch import load_file
+
+    spec = small("dapo-filter", num_prompts=16, max_steps=2, save_steps=1)
+    straight = train(spec, tmp_path / "straight")
+    train(spec.model_copy(update={"max_steps": 1}), tmp_path / "resumed")
+    resumed = train(spec, tmp_path / "resumed")
+    a, b = read_tracker(straight.tracker_dir), read_tracker(resumed.tracker_dir)
+    drawn = [h["sage/new_prompts"] for h in straight.log_history if "sage/new_prompts" in h]
+    assert len(drawn) == 2 and min(drawn) > 0, "both steps should draw fresh prompts (else this tests nothing)"
+    for col in ("step", "prompt_id", "rewards", "completions"):
+        assert a[col].astype(str).tolist() == b[col].astype(str).tolist(), col
+    wa, wb = (load_file(str(r.checkpoint_dir / "model.safetensors")) for r in (straight, resumed))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_resume_discards_tracker_files_written_after_the_checkpoint(tiny_model_dir, tmp_path):
     """A run killed after writing steps 2 and 3 but before their checkpoint leaves their tracker files behind.
     Resumed from checkpoint-1, they are not replayed into the SAGE-LIGHT levels, step 2 is written again from
