@@ -205,15 +205,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     if _is_main_process():
         print(f"sage train: method={spec.method} model={spec.model} steps={spec.max_steps} -> {out}", flush=True)
     callbacks, run_id = _open_tracking(spec, out, args)
-    from .train import shutdown_distributed, train
+    from .train import LayoutError, shutdown_distributed, train
 
     try:
         result = train(spec, out, callbacks=callbacks, resume=not args.no_resume)
-    except BaseException:
+    except BaseException as e:
         if run_id is not None:
             from .tracking import finish_run
 
             finish_run(run_id, status="FAILED")
+        if isinstance(e, LayoutError):  # the spec does not split over the processes this run was started with
+            raise SpecError(str(e)) from None
         raise
     shutdown_distributed()
     if not _is_main_process():

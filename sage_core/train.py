@@ -37,6 +37,10 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+class LayoutError(ValueError):
+    """A spec whose batch does not split over this run's processes (known only once they are started)."""
+
+
 def build_config(spec: RunSpec, output_dir: str | Path):
     """SageConfig for a spec: batch shapes so that one generation batch is prompts_per_step x G rows."""
     import torch
@@ -46,15 +50,21 @@ def build_config(spec: RunSpec, output_dir: str | Path):
     G, world = spec.num_generations, world_size()
     rows = spec.prompts_per_step * G
     if rows % world:
-        raise ValueError(f"prompts_per_step x num_generations = {rows} rows do not split over {world} processes")
+        raise LayoutError(f"prompts_per_step x num_generations = {spec.prompts_per_step} x {G} = {rows} rows a "
+                          f"step do not split over {world} processes")
     local = rows // world
     micro = spec.micro_batch_size or local
     if local % micro:
-        raise ValueError(f"micro_batch_size {micro} must divide the {local} rows each process rolls out per step")
+        raise LayoutError(f"micro_batch_size ({micro}) must divide the {local} rows each of {world} processes rolls "
+                          "out per step")
     steps_per_generation = local // micro
     if steps_per_generation % spec.updates_per_generation:
-        raise ValueError(f"updates_per_generation {spec.updates_per_generation} must divide the "
-                         f"{steps_per_generation} micro-batches of a step")
+        raise LayoutError(f"updates_per_generation ({spec.updates_per_generation}) must divide the "
+                          f"{steps_per_generation} micro-batches of a step on each of {world} processes")
+    if local % G:
+        raise LayoutError(f"each of {world} processes rolls out {local} rows a step, not a multiple of "
+                          f"num_generations ({G}): every prompt's group must live on one process; use a "
+                          "prompts_per_step that is a multiple of the process count")
     cuda = torch.cuda.is_available()
     bf16 = cuda if spec.bf16 is None else spec.bf16
     vllm_len = None

@@ -147,6 +147,21 @@ def test_train_into_the_folder_of_another_spec_exits_2_and_keeps_its_files(capsy
     assert (out / "checkpoint-1").is_dir() and (out / "tracker" / "step_000002.parquet").is_file()
 
 
+@pytest.mark.parametrize(("world", "want"), [
+    ("3", "prompts_per_step x num_generations = 2 x 4 = 8 rows a step do not split over 3 processes"),
+    ("4", "each of 4 processes rolls out 2 rows a step, not a multiple of num_generations (4)"),
+])
+def test_a_batch_that_does_not_split_over_the_processes_exits_2(capsys, tmp_path, monkeypatch, world, want):
+    """Known only once the processes are started (each rank sees WORLD_SIZE): a one-line error, exit 2, on every
+    rank, before the model is loaded."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", "prompts_per_step=2", "--set",
+                         "num_generations=4", "--output-dir", str(tmp_path / "run"))
+    assert rc == 2 and err.strip() == f"sage train: {want}" + (
+        ": every prompt's group must live on one process; use a prompts_per_step that is a multiple of the "
+        "process count" if world == "4" else ""), err
+
+
 def test_a_folder_where_a_run_failed_to_start_takes_another_spec(capsys, tmp_path):
     """A run that failed before its first step leaves only its spec.json: nothing to keep, so another spec may
     use the folder (it gets past the folder check to its own error)."""
@@ -220,7 +235,8 @@ def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
         return FakeResult(output_dir, output_dir / "checkpoint", output_dir / "tracker", spec.max_steps, 1.5,
                           {"reward": 0.25})
 
-    fake = types.SimpleNamespace(train=fake_train, shutdown_distributed=lambda: calls.update(shutdown=True))
+    fake = types.SimpleNamespace(train=fake_train, shutdown_distributed=lambda: calls.update(shutdown=True),
+                                 LayoutError=type("LayoutError", (ValueError,), {}))
     monkeypatch.setitem(sys.modules, "sage_core.train", fake)
     rc, out, _ = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", "max_steps=2", "--set", "method=grpo",
                          "--output-dir", str(tmp_path / "run"), "--no-resume")
