@@ -7,10 +7,11 @@ fails with "'Parameter' object has no attribute 'weight_loader'" (and a packed c
 stale). `keep_plain_weights` makes vLLM's CPU linear layers compute with torch's linear on the weight they own, so
 a sync lands where generation reads it. It is a no-op where CUDA is present.
 
-Engines on this build also start eager (`enforce_eager=True`, unless the caller says otherwise): vLLM otherwise
-compiles the model with torch.compile (inductor) at every engine start, 35 s of a 39 s start for the tiny model on
-2 cores, which a short CPU run never earns back (measured: eager start and first two 64-row generations 20 s,
-compiled 42 s). SAGE_VLLM_COMPILE=1 keeps vLLM's default. On CUDA nothing changes.
+SAGE_VLLM_EAGER=1 makes every vLLM engine the process builds (TRL's colocate engine and the evaluation's) start
+with `enforce_eager=True`: no torch.compile at start (and no CUDA graphs on a GPU). On the CPU build compiling took
+35 s of a 39 s engine start for the tiny model on 2 cores, worth skipping for a run of a few steps (the tests set it:
+they start about ten engines) and not for a longer one: eager decoding made the overhead bench's GRPO 11.1 s
+against 4.4 s compiled (8 steps). Off by default.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ def keep_plain_weights() -> bool:
 
     if getattr(utils.dispatch_cpu_unquantized_gemm, "_sage_plain", False):
         return True
-    if cpu_eager():
-        _eager_by_default()
     packed = utils.dispatch_cpu_unquantized_gemm
 
     def plain(layer, remove_weight: bool) -> None:
@@ -50,15 +49,16 @@ def keep_plain_weights() -> bool:
     return True
 
 
-def cpu_eager() -> bool:
-    """Whether vLLM engines on a machine without CUDA start eager (the default; SAGE_VLLM_COMPILE=1: compiled)."""
-    import torch
-
-    return not torch.cuda.is_available() and os.environ.get("SAGE_VLLM_COMPILE", "0") != "1"
+def eager_requested() -> bool:
+    """SAGE_VLLM_EAGER=1: vLLM engines start with enforce_eager=True (see the module's doc)."""
+    return os.environ.get("SAGE_VLLM_EAGER", "0") == "1"
 
 
-def _eager_by_default() -> None:
-    """Every vllm.LLM built in this process (TRL's colocate engine among them) defaults to enforce_eager=True."""
+def engines_eager_if_requested() -> None:
+    """With SAGE_VLLM_EAGER=1, every vllm.LLM built in this process (TRL's colocate engine among them: TRL passes no
+    enforce_eager) defaults to enforce_eager=True. Once per process; a no-op without the variable."""
+    if not eager_requested():
+        return
     from vllm import LLM
 
     init = LLM.__init__

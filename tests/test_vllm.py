@@ -79,14 +79,14 @@ def test_prompts_are_checked_against_the_engines_context(sage_vllm):
     assert sage_vllm["ctx"] == sage_vllm["trainer"].model.config.max_position_embeddings == 256
 
 
-def test_engines_without_cuda_start_eager_unless_asked_to_compile(sage_vllm, monkeypatch):
-    """TRL builds its engine without enforce_eager; on vLLM's CPU build it starts eager (no torch.compile at every
-    engine start), unless SAGE_VLLM_COMPILE=1."""
-    from sage_core.vllm_cpu import cpu_eager
+def test_engines_start_eager_when_asked(sage_vllm, monkeypatch):
+    """TRL builds its engine without enforce_eager; with SAGE_VLLM_EAGER=1 (set for the tests) it starts eager, no
+    torch.compile at start. Without the variable vLLM's default stands."""
+    from sage_core.vllm_cpu import eager_requested
 
     assert sage_vllm["eager"] is True
-    monkeypatch.setenv("SAGE_VLLM_COMPILE", "1")
-    assert not cpu_eager()
+    monkeypatch.delenv("SAGE_VLLM_EAGER")
+    assert not eager_requested()
 
 
 def test_engine_generates_from_the_policy_weights_of_the_step(sage_vllm):
