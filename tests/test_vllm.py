@@ -79,14 +79,17 @@ def test_prompts_are_checked_against_the_engines_context(sage_vllm):
     assert sage_vllm["ctx"] == sage_vllm["trainer"].model.config.max_position_embeddings == 256
 
 
-def test_engines_start_eager_when_asked(sage_vllm, monkeypatch):
-    """TRL builds its engine without enforce_eager; with SAGE_VLLM_EAGER=1 (set for the tests) it starts eager, no
-    torch.compile at start. Without the variable vLLM's default stands."""
-    from sage_core.vllm_cpu import eager_requested
+def test_engines_start_eager_without_cuda(sage_vllm, monkeypatch):
+    """TRL builds its engine without enforce_eager; without CUDA it starts eager (no torch.compile at start, which
+    bought nothing on the CPU build). SAGE_VLLM_EAGER decides either way; a value other than 0/1 is named."""
+    from sage_core.vllm_cpu import eager_engines
 
     assert sage_vllm["eager"] is True
-    monkeypatch.delenv("SAGE_VLLM_EAGER")
-    assert not eager_requested()
+    monkeypatch.setenv("SAGE_VLLM_EAGER", "0")
+    assert not eager_engines()
+    monkeypatch.setenv("SAGE_VLLM_EAGER", "yes")
+    with pytest.raises(ValueError, match="SAGE_VLLM_EAGER='yes': set 1"):
+        eager_engines()
 
 
 def test_engine_generates_from_the_policy_weights_of_the_step(sage_vllm):
