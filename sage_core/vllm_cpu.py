@@ -62,10 +62,9 @@ def eager_engines() -> bool:
 
 
 def engines_eager_if_asked() -> None:
-    """When eager_engines(), every vllm.LLM built in this process (TRL's colocate engine among them: TRL passes no
-    enforce_eager) defaults to enforce_eager=True. Once per process."""
-    if not eager_engines():
-        return
+    """Every vllm.LLM built in this process afterwards (TRL's colocate engine among them: TRL passes no
+    enforce_eager) defaults to enforce_eager=eager_engines(), read when the engine is built. Patched once per
+    process; a caller's own enforce_eager wins."""
     from vllm import LLM
 
     init = LLM.__init__
@@ -73,7 +72,7 @@ def engines_eager_if_asked() -> None:
         return
 
     def eager_init(self, *args, **kwargs):
-        kwargs.setdefault("enforce_eager", True)
+        kwargs.setdefault("enforce_eager", eager_engines())
         init(self, *args, **kwargs)
 
     eager_init._sage_eager = True
