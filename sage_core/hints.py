@@ -159,6 +159,9 @@ class CachedHints(HintSource):
         return out
 
 
+FIXED_HINTS_FILE = "fixed_hints.jsonl"  # in a run's output dir
+
+
 class FixedHints(CachedHints):
     """Hints written once by the initial policy for every prompt and level, persisted to `path` (JSONL), and the
     (prompt, level) pairs where a sample leaked to `<stem>_leaked.json`. Existing files are reused, so a resumed
@@ -175,6 +178,13 @@ class FixedHints(CachedHints):
     @property
     def leaks_path(self) -> Path:
         return self.path.with_name(f"{self.path.stem}_leaked.json")
+
+    def discard(self, delete: bool = True) -> None:
+        """Forget the hints and leaks read from the files, and delete the files (`delete`: one process does): a run
+        that starts over has its initial policy write them again."""
+        self.hints, self.leaked = {}, set()
+        for p in (self.path, self.leaks_path) if delete else ():
+            p.unlink(missing_ok=True)
 
     def prepare(self, rows, ctx):
         if self.hints:
@@ -305,7 +315,7 @@ def make_hint_source(name: str, output_dir: str | Path, teacher: str | None = No
     if name == "online":
         return OnlineHints()
     if name == "fixed":
-        return FixedHints(Path(output_dir) / "fixed_hints.jsonl")
+        return FixedHints(Path(output_dir) / FIXED_HINTS_FILE)
     if name == "teacher":
         if not teacher:
             raise ValueError("hint_source='teacher' needs `teacher`: a hints file, a model path or an endpoint URL")

@@ -213,6 +213,20 @@ def test_resumed_dapo_filter_draws_the_fresh_prompts_of_the_straight_run(tiny_mo
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_run_started_over_writes_its_fixed_hints_again(tiny_model_dir, tmp_path):
+    """resume=False (sage train --no-resume) starts over: the fixed hints in the folder are written again by the
+    initial policy, not read back (a resumed run reads them)."""
+    spec = small("sage-light", hint_source="fixed", max_steps=1, save_steps=1)
+    train(spec, tmp_path)
+    path = tmp_path / "fixed_hints.jsonl"
+    written = path.read_text()
+    path.write_text(written.replace('"hint": "', '"hint": "MARKER '))
+    train(spec.model_copy(update={"max_steps": 2}), tmp_path)  # resumed: reads the file as it is
+    assert "MARKER" in path.read_text()
+    train(spec, tmp_path, resume=False)
+    assert path.read_text() == written
+
+
 def test_resume_discards_tracker_files_written_after_the_checkpoint(tiny_model_dir, tmp_path):
     """A run killed after writing steps 2 and 3 but before their checkpoint leaves their tracker files behind.
     Resumed from checkpoint-1, they are not replayed into the SAGE-LIGHT levels, step 2 is written again from
