@@ -13,9 +13,9 @@ from sage_core.presets import preset  # noqa: E402
 from sage_core.train import build_trainer, release_vllm, shutdown_distributed  # noqa: E402
 
 out, method = sys.argv[1], sys.argv[2]
-spec = preset("tiny-cpu", method=method, difficulty="hard", num_prompts=8, prompts_per_step=4, num_generations=4,
-              max_steps=2, max_completion_length=32, save_steps=100,
-              **json.loads(os.environ.get("MP_OVERRIDES", "{}")))
+spec = preset("tiny-cpu", **{**dict(method=method, difficulty="hard", num_prompts=8, prompts_per_step=4,
+                                    num_generations=4, max_steps=2, max_completion_length=32, save_steps=100),
+                             **json.loads(os.environ.get("MP_OVERRIDES", "{}"))})
 trainer = build_trainer(spec, out)
 rank = trainer.accelerator.process_index
 if os.environ.get("MP_CTX_LIMIT"):  # as vLLM's max_model_len would set it (tests/test_context.py)

@@ -8,7 +8,8 @@ from helpers import global_metrics, run_two_ranks
 
 @pytest.mark.parametrize("method", ["sage-light+ada-seq", "sage"])
 def test_two_processes_agree(tiny_model_dir, tmp_path, method):
-    _, r0, r1 = run_two_ranks(tmp_path, method)
+    _, r0, r1 = run_two_ranks(tmp_path, method, {"save_steps": 1})  # checkpoints: a collective on every rank
+    assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file()
     assert r0["scheduler"] == r1["scheduler"]  # SAGE-LIGHT levels replayed from every rank's groups
     assert r0["seen"] == r1["seen"] and len(r0["seen"]) >= 4
     assert global_metrics(r0["history"]) == global_metrics(r1["history"])
