@@ -106,6 +106,10 @@ class HintSource:
     def prepare(self, rows: Sequence[dict], ctx: HintContext) -> None:
         """Called once before the first update (fixed hints are written here)."""
 
+    def start_over(self, delete: bool = True) -> None:
+        """The run starts over in an output dir that may hold an earlier run's files (not a resume): forget what was
+        read from them, and delete them (`delete`: one process does). Sources that keep nothing on disk: no-op."""
+
     def get(self, requests: Sequence[HintRequest], ctx: HintContext) -> list[HintResult]:
         raise NotImplementedError
 
@@ -179,7 +183,7 @@ class FixedHints(CachedHints):
     def leaks_path(self) -> Path:
         return self.path.with_name(f"{self.path.stem}_leaked.json")
 
-    def discard(self, delete: bool = True) -> None:
+    def start_over(self, delete: bool = True) -> None:
         """Forget the hints and leaks read from the files, and delete the files (`delete`: one process does): a run
         that starts over has its initial policy write them again."""
         self.hints, self.leaked = {}, set()

@@ -286,8 +286,6 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     spec is refused (RunFolderTaken) before anything is written."""
     from transformers import set_seed
 
-    from .hints import FixedHints
-
     output_dir = Path(output_dir)
     check_run_folder(spec, output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -304,8 +302,8 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
         log.warning("%s: %d tracker files of steps after %s were discarded (written after the last checkpoint, "
                     "or by an earlier run); those steps are trained again", output_dir, len(stale),
                     ckpt.name if ckpt is not None else "the start")
-    if not resume and isinstance(trainer.hint_source, FixedHints):  # starting over: the initial policy writes them
-        trainer.hint_source.discard(delete=trainer.accelerator.is_main_process)
+    if not resume:  # starting over: nothing an earlier run left (fixed hints) is read
+        trainer.hint_source.start_over(delete=trainer.accelerator.is_main_process)
     if ckpt is not None:
         replayed = trainer.restore_state(step, ckpt)
         log.info("resuming %s from %s (%d tracker records replayed)", output_dir, ckpt.name, replayed)

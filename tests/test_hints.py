@@ -86,7 +86,7 @@ def test_fixed_hints_written_once_by_initial_policy_and_reused(tmp_path):
     assert res.text == src.hints[("b", 2)]
 
 
-def test_discarded_fixed_hints_are_written_again(tmp_path):
+def test_fixed_hints_started_over_are_written_again(tmp_path):
     """A run that starts over (--no-resume) discards the hints its initial policy wrote, files included; the next
     prepare writes them again. A process that does not delete the files still forgets what it read."""
     rows = [{"prompt_id": "a", "problem": "q a", "solution": "s", "answer": "9"}]
@@ -94,9 +94,9 @@ def test_discarded_fixed_hints_are_written_again(tmp_path):
     src.prepare(rows, HintContext(generate=ScriptedModel(["old 1", "= 9", "old 3", "= 9"]), retries=1))
     assert src.leaked == {("a", 2)} and src.leaks_path.exists()
     other = FixedHints(tmp_path / "fixed.jsonl")
-    other.discard(delete=False)
+    other.start_over(delete=False)
     assert other.hints == {} and other.leaked == set() and src.path.exists()
-    src.discard()
+    src.start_over()
     assert not src.path.exists() and not src.leaks_path.exists() and src.hints == {}
     src.prepare(rows, HintContext(generate=ScriptedModel(["new 1", "new 2", "new 3"]), retries=1))
     assert FixedHints(tmp_path / "fixed.jsonl").hints == {("a", 1): "new 1", ("a", 2): "new 2", ("a", 3): "new 3"}
