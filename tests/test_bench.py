@@ -11,11 +11,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _overhead():
-    spec = importlib.util.spec_from_file_location("overhead", ROOT / "benchmarks" / "overhead.py")
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _overhead():
+    return _bench("overhead")
 
 
 def test_overhead_bench_ratios_work_and_signal(tiny_model_dir):
@@ -54,3 +58,38 @@ def test_overhead_bench_ratios_work_and_signal(tiny_model_dir):
     verdicts = "/".join("MISS" if x > target else "ok" for x in (sage["ratio"], sage["vs_trl"]))
     assert lines[4].startswith("sage") and f" <={target} {verdicts} " in lines[4]
     assert not math.isnan(sage["gen_share"])
+
+
+def test_learning_bench_compares_paired_no_hint_scores(tiny_model_dir, capsys):
+    """benchmarks/learning.py: each method's no-hint scores after training, paired with the starting model's and
+    GRPO's on the same prompts and sampling seed (the evaluation is deterministic, so a change is the training's)."""
+    from sage_core.data import build_dataset, eval_rows
+    from sage_core.models import load_policy
+    from sage_core.presets import preset
+
+    lb = _bench("learning")
+    over = {"max_steps": 2, "num_prompts": 8, "prompts_per_step": 4, "eval_num_prompts": 8, "eval_k": 2}
+    recs = lb.run("tiny-cpu", ["grpo", "sage"], [0], over)
+    by = {r["method"]: r for r in recs}
+    assert list(by) == [lb.BASE, "grpo", "sage"]
+    spec = preset("tiny-cpu", **over)
+    held, train = [dict(r) for r in eval_rows(spec)], [dict(r) for r in build_dataset(spec)]
+    assert by["sage"]["n_held"] == len(held) == 8
+    assert by["sage"]["n_hard"] == sum(r["difficulty"] >= lb.HARD for r in held)
+    again = lb._scores(*load_policy("tiny"), (held, train), spec)  # the start, scored again: the same numbers
+    assert again == pytest.approx({k: by[lb.BASE][k] for k in again}, abs=0, nan_ok=True)
+    # never solved during training counts hinted successes too: no higher than without hints
+    assert by["sage"]["never_solved"] <= by["sage"]["never_solved_no_hint"]
+    rows = {r["method"]: r for r in lb.summarize(recs)}
+    sage, grpo = rows["sage"], rows["grpo"]
+    d = by["sage"]["held_avg"] - by["grpo"]["held_avg"]
+    assert sage["held_avg_vs_grpo"] == (d, d, d) and grpo["held_avg_vs_grpo"] is None
+    d = by["sage"]["train_avg"] - by[lb.BASE]["train_avg"]
+    assert sage["train_avg_vs_start"] == (d, d, d) and rows[lb.BASE]["held_avg_vs_start"] is None
+    assert sage["time_x_grpo"] == by["sage"]["train_seconds"] / by["grpo"]["train_seconds"]
+    lines = lb.report(list(rows.values()), 2).splitlines()
+    assert "held avg@2" in lines[0] and "vs GRPO" in lines[0] and len(lines) == 5
+    assert lines[4].startswith("sage") and f"{100 * by['sage']['held_avg']:.1f}" in lines[4]
+    with pytest.raises(SystemExit) as e:  # a seed or method given through --set would be silently overridden
+        lb.main(["--set", "seed=3"])
+    assert e.value.code == 2 and "--seeds" in capsys.readouterr().err
