@@ -29,28 +29,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import _quiet  # the trainers' per-step log lines, away from the table
+from overhead import _num, _quiet  # _quiet: the trainers' per-step log lines, away from the table
 
 BASE = "start"  # the starting model, evaluated before any training
 HARD = 3  # held-out prompts of at least this many steps (synthetic `difficulty`) form the `hard` subset
 
 
-def _scores(model, tokenizer, rows: list[dict], spec) -> dict[str, float]:
-    """avg@k / pass@k of one model on held-out rows (all and hard) and on the training rows."""
+def _scores(model, tokenizer, rows: tuple[list[dict], list[dict]], spec) -> dict[str, float]:
+    """avg@k / pass@k of one model on the held-out rows (the hard ones' avg@k from the same samples) and avg@k on
+    the training rows."""
     from sage_core.evaluate import evaluate_rows
 
     def one(subset):
-        if not subset:
-            return float("nan"), float("nan")
-        res = evaluate_rows(model, tokenizer, subset, k=spec.eval_k, temperature=spec.eval_temperature,
-                            top_p=spec.eval_top_p, max_new_tokens=spec.max_completion_length, seed=spec.seed)
-        return res["avg_at_k"], res["pass_at_k"]
+        return evaluate_rows(model, tokenizer, subset, k=spec.eval_k, temperature=spec.eval_temperature,
+                             top_p=spec.eval_top_p, max_new_tokens=spec.max_completion_length, seed=spec.seed)
 
     held, train = rows
-    hard = [r for r in held if (r.get("difficulty") or -1) >= HARD]
-    (h_avg, h_pass), (hd_avg, _), (t_avg, _) = one(held), one(hard), one(train)
-    return {"held_avg": h_avg, "held_pass": h_pass, "hard_avg": hd_avg, "train_avg": t_avg, "n_held": len(held),
-            "n_hard": len(hard)}
+    res = one(held)
+    hard = [res["per_prompt"][str(r["prompt_id"])] for r in held if (r.get("difficulty") or -1) >= HARD]
+    return {"held_avg": res["avg_at_k"], "held_pass": res["pass_at_k"],
+            "hard_avg": statistics.mean(hard) if hard else math.nan, "train_avg": one(train)["avg_at_k"],
+            "n_held": len(held), "n_hard": len(hard)}
 
 
 def run_seed(preset_name: str, methods: list[str], seed: int, overrides: dict) -> list[dict]:
@@ -123,7 +122,7 @@ def report(rows: list[dict], k: int) -> str:
                      f"{_delta(r['hard_avg_vs_grpo']):>21}{_pct(r['train_avg']):>11}"
                      f"{_delta(r['train_avg_vs_grpo']):>21}{_pct(r['never_solved']):>14}"
                      f"{_pct(r['never_solved_no_hint']):>11}"
-                     f"{'-' if math.isnan(r['time_x_grpo']) else format(r['time_x_grpo'], '.2f'):>13}")
+                     f"{_num(r['time_x_grpo'], 13, '.2f')}")
     return "\n".join(lines)
 
 

@@ -64,6 +64,7 @@ def test_learning_bench_compares_paired_no_hint_scores(tiny_model_dir, capsys):
     """benchmarks/learning.py: each method's no-hint scores after training, paired with the starting model's and
     GRPO's on the same prompts and sampling seed (the evaluation is deterministic, so a change is the training's)."""
     from sage_core.data import build_dataset, eval_rows
+    from sage_core.evaluate import evaluate_rows
     from sage_core.models import load_policy
     from sage_core.presets import preset
 
@@ -78,6 +79,12 @@ def test_learning_bench_compares_paired_no_hint_scores(tiny_model_dir, capsys):
     assert by["sage"]["n_hard"] == sum(r["difficulty"] >= lb.HARD for r in held)
     again = lb._scores(*load_policy("tiny"), (held, train), spec)  # the start, scored again: the same numbers
     assert again == pytest.approx({k: by[lb.BASE][k] for k in again}, abs=0, nan_ok=True)
+    # the hard subset's avg@k comes from the held-out samples of its prompts
+    res = evaluate_rows(*load_policy("tiny"), held, k=2, temperature=spec.eval_temperature, top_p=spec.eval_top_p,
+                        max_new_tokens=spec.max_completion_length, seed=spec.seed)
+    assert res["avg_at_k"] == by[lb.BASE]["held_avg"]
+    hard = [res["per_prompt"][r["prompt_id"]] for r in held if r["difficulty"] >= lb.HARD]
+    assert by[lb.BASE]["hard_avg"] == pytest.approx(sum(hard) / len(hard) if hard else math.nan, nan_ok=True)
     # never solved during training counts hinted successes too: no higher than without hints
     assert by["sage"]["never_solved"] <= by["sage"]["never_solved_no_hint"]
     rows = {r["method"]: r for r in lb.summarize(recs)}
