@@ -1,4 +1,5 @@
-"""benchmarks/overhead.py, run for real on a small setting: its ratios are the ones the table claims."""
+"""benchmarks/overhead.py and learning.py, run for real on a small setting: their numbers are the ones the tables
+claim."""
 
 from __future__ import annotations
 
@@ -18,12 +19,8 @@ def _bench(name: str):
     return mod
 
 
-def _overhead():
-    return _bench("overhead")
-
-
 def test_overhead_bench_ratios_work_and_signal(tiny_model_dir):
-    ob = _overhead()
+    ob = _bench("overhead")
     rows = ob.run("tiny-cpu", 2, ["grpo", ob.TRL_GRPO, "sage"],
                   dict(num_prompts=8, prompts_per_step=4, measure_activations=True), repeats=1)
     by = {r["method"]: r for r in rows}
