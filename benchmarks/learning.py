@@ -91,10 +91,11 @@ def summarize(records: list[dict]) -> list[dict]:
         for key in ("held_avg", "held_pass", "hard_avg", "train_avg", "never_solved", "never_solved_no_hint"):
             vals = [r[key] for r in runs if key in r]
             row[key] = statistics.mean(vals) if vals else float("nan")
-        for ref, name in ((BASE, "start"), ("grpo", "grpo")):
+        for ref in (BASE, "grpo"):  # row keys <key>_vs_start, <key>_vs_grpo; none against itself
+            paired = [r for r in runs if ref != method and (ref, r["seed"]) in by]
             for key in ("held_avg", "hard_avg", "train_avg"):
-                diffs = [r[key] - by[(ref, r["seed"])][key] for r in runs if (ref, r["seed"]) in by and ref != method]
-                row[f"{key}_vs_{name}"] = (statistics.mean(diffs), min(diffs), max(diffs)) if diffs else None
+                diffs = [r[key] - by[(ref, r["seed"])][key] for r in paired]
+                row[f"{key}_vs_{ref}"] = (statistics.mean(diffs), min(diffs), max(diffs)) if diffs else None
         ratios = [r["train_seconds"] / by[("grpo", r["seed"])]["train_seconds"] for r in runs
                   if "train_seconds" in r and ("grpo", r["seed"]) in by]
         row["time_x_grpo"] = statistics.median(ratios) if ratios else float("nan")
