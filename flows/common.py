@@ -292,6 +292,7 @@ def row_from_run(run_id: str) -> dict[str, Any]:
         "variant": t.get("sage.variant") or t.get("mlflow.runName", run_id[:8]),
         "method": t.get("sage.method"),
         "hint_source": t.get("sage.hint_source"),
+        "seed": int(p["sage.seed"]) if p.get("sage.seed", "").lstrip("-").isdigit() else None,
         "k": k,
         "avg_at_k_before": before_avg,
         "avg_at_k_after": after_avg,

@@ -2,6 +2,7 @@
 
     prefect deployment run hint-study/tiny-cpu --watch
     prefect deployment run hint-study/tiny-cpu --param max_steps=4 --params '{"methods": ["grpo", "sage-light"]}'
+    prefect deployment run hint-study/tiny-cpu --params '{"seeds": [0, 1, 2]}'
 
 Variants (`methods`): grpo, sage-light (online self-hints), sage-online, sage-fixed (hints from the initial
 policy), sage-teacher (a teacher's hints: `teacher`, or for data with reference solutions a hints file written
@@ -10,8 +11,15 @@ from them), and the curation baselines dapo-filter, ada-seq, ada-est, sage-light
 Each variant runs as a `sage-train` subflow (evaluate before/after without hints, train); the shared "before"
 evaluation is computed once and reused through Prefect's cache. Re-running the study skips the variants that
 already finished (MLflow: same spec key, `sage.complete=true`, under the same study run) and resumes crashed ones.
-The comparison table (one row per variant) is published as the Prefect table artifact
+The comparison table (one row per variant and seed) is published as the Prefect table artifact
 `<experiment>-comparison` and as `study/comparison.{parquet,csv,md}` on the study run.
+
+`seeds` repeats the whole study per seed (the seed picks the synthetic training prompts, the held-out set and the
+sampling): every variant of a seed trains and is evaluated on that seed's prompts, so differences between variants
+are paired by seed. `study/summary.{parquet,csv,md}` (and the table artifact `<experiment>-summary`) gives per
+variant the mean over seeds, the per-seed range of no-hint avg@k after training, and the paired change against GRPO
+of the same seed (mean, min, max). The study run is the same for any list of seeds (the seed is left out of its
+key): adding seeds later trains only the new ones.
 """
 
 from __future__ import annotations
@@ -19,12 +27,12 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pandas as pd
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from flows.common import runs_root, slug
 from flows.params import PresetName, resolve_spec, with_spec_overrides
@@ -47,15 +55,43 @@ VARIANTS: dict[str, dict[str, Any]] = {
 DEFAULT_METHODS = ["grpo", "sage-light", "sage-online", "sage-fixed", "sage-teacher"]
 VariantName = Literal[tuple(VARIANTS)]  # type: ignore[valid-type]
 
-COMPARISON_COLUMNS = ["variant", "method", "hint_source", "k", "avg_at_k_before", "avg_at_k_after",
+COMPARISON_COLUMNS = ["variant", "method", "hint_source", "seed", "k", "avg_at_k_before", "avg_at_k_after",
                       "delta_avg_at_k", "pass_at_k_after", "never_solved", "never_solved_no_hint",
                       "frac_collapsed", "rollouts", "rescued", "wall_seconds", "train_seconds", "train_vs_grpo",
                       "gen_tokens", "gen_vs_grpo", "train_tokens", "open_groups", "open_vs_grpo", "global_step",
                       "status", "run_id"]
+# per variant over seeds: means, the range of avg@k after, and the change against GRPO of the same seed
+SUMMARY_MEANS = ["avg_at_k_after", "delta_avg_at_k", "pass_at_k_after", "never_solved", "never_solved_no_hint",
+                 "frac_collapsed", "train_vs_grpo", "gen_vs_grpo", "open_vs_grpo"]
+SUMMARY_COLUMNS = ["variant", "method", "hint_source", "k", "seeds", "failed", "avg_at_k_after", "avg_at_k_after_min",
+                   "avg_at_k_after_max", "vs_grpo", "vs_grpo_min", "vs_grpo_max", "vs_grpo_seeds",
+                   *SUMMARY_MEANS[1:]]
 
 
 def study_key(base: RunSpec, experiment: str) -> str:
-    return hashlib.sha256(f"{experiment}\n{base.key()}".encode()).hexdigest()[:16]
+    """The study run's key: the experiment and the base spec without its seed (a study holds any seeds)."""
+    neutral = base.model_copy(update={"seed": 0})
+    return hashlib.sha256(f"{experiment}\n{neutral.key()}".encode()).hexdigest()[:16]
+
+
+def study_seeds(seeds: list[int] | None, base: RunSpec) -> list[int]:
+    """The seeds to run: `seeds` as given (none twice, at least one), or the base spec's own seed."""
+    if seeds is None:
+        return [base.seed]
+    seeds = [int(s) for s in seeds]
+    if not seeds:
+        raise ValueError("seeds is empty: give at least one seed, or leave `seeds` out to use the spec's seed")
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ValueError(f"seeds lists {twice} more than once: {seeds}")
+    negative = [s for s in seeds if s < 0]
+    if negative:
+        raise ValueError(f"seeds must be >= 0, got {negative}")
+    return seeds
+
+
+def with_seed(base: RunSpec, seed: int) -> RunSpec:
+    return RunSpec(**{**base.model_dump(), "seed": seed})
 
 
 def teacher_hints_file(base: RunSpec, experiment: str) -> Path:
@@ -114,26 +150,55 @@ def _num(v: Any) -> float:
 
 
 def comparison_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    """One row per variant, in the order given: accuracy before/after, never-solved, collapsed fraction,
-    rollouts, wall-clock (loading, training, saving) and the training loop's time as a ratio to GRPO's (the loop
-    alone, so that the one-time costs of whichever variant runs first do not skew the ratios), and the completion
-    tokens generated as a ratio to GRPO's (the work behind the time, the same on any machine), and the groups trained
-    with mixed rewards (an open gate: the learning signal) as a ratio to GRPO's."""
+    """One row per variant and seed, in the order given: accuracy before/after, never-solved, collapsed fraction,
+    rollouts, wall-clock (loading, training, saving) and the training loop's time as a ratio to GRPO's of the same
+    seed (the loop alone, so that the one-time costs of whichever variant runs first do not skew the ratios), and the
+    completion tokens generated as a ratio to GRPO's (the work behind the time, the same on any machine), and the
+    groups trained with mixed rewards (an open gate: the learning signal) as a ratio to GRPO's."""
     df = pd.DataFrame(rows)
     for c in COMPARISON_COLUMNS:
         if c not in df.columns:
             df[c] = float("nan") if c not in ("variant", "method", "hint_source", "status", "run_id") else None
-    for c in ("avg_at_k_before", "avg_at_k_after", "pass_at_k_after", "never_solved", "never_solved_no_hint",
+    for c in ("seed", "avg_at_k_before", "avg_at_k_after", "pass_at_k_after", "never_solved", "never_solved_no_hint",
               "frac_collapsed", "rollouts", "rescued", "wall_seconds", "train_seconds", "gen_tokens", "train_tokens",
               "open_groups", "global_step"):
         df[c] = df[c].map(_num)
+    if df["seed"].notna().all():
+        df["seed"] = df["seed"].astype(int)
     df["delta_avg_at_k"] = df["avg_at_k_after"] - df["avg_at_k_before"]
+    seed = df["seed"].fillna(-1)
+    grpo = df["method"] == "grpo"
     for col, ratio in (("train_seconds", "train_vs_grpo"), ("gen_tokens", "gen_vs_grpo"),
                        ("open_groups", "open_vs_grpo")):
-        grpo = df.loc[df["method"] == "grpo", col]
-        base = float(grpo.iloc[0]) if len(grpo) and grpo.iloc[0] > 0 else float("nan")
-        df[ratio] = df[col] / base
+        ref = df.loc[grpo, col].groupby(seed[grpo]).first()
+        base = seed.map(ref)
+        df[ratio] = df[col] / base.where(base > 0)
     return df[COMPARISON_COLUMNS].reset_index(drop=True)
+
+
+def seed_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per variant (in the table's order) over its seeds: how many finished (`seeds`, with a no-hint score
+    after training) and failed, the mean of SUMMARY_MEANS, the min..max of avg@k after training, and `vs_grpo`: the
+    paired change of avg@k after against GRPO of the same seed (mean, min, max over the `vs_grpo_seeds` seeds both
+    finished; NaN for GRPO itself and where no seed pairs)."""
+    seed = table["seed"].fillna(-1)
+    grpo = (table["method"] == "grpo") & table["avg_at_k_after"].notna()
+    grpo_after = table.loc[grpo, "avg_at_k_after"].groupby(seed[grpo]).first()
+    out = []
+    for variant in table["variant"].drop_duplicates():
+        d = table[table["variant"] == variant]
+        done = d[d["avg_at_k_after"].notna()]
+        row: dict[str, Any] = {"variant": variant, "method": d["method"].iloc[0],
+                               "hint_source": d["hint_source"].iloc[0], "k": d["k"].dropna().max(),
+                               "seeds": len(done), "failed": int((d["status"] == "FAILED").sum())}
+        row.update({c: d[c].mean() for c in SUMMARY_MEANS})
+        row["avg_at_k_after_min"], row["avg_at_k_after_max"] = done["avg_at_k_after"].min(), done[
+            "avg_at_k_after"].max()
+        paired = seed[done.index].map(grpo_after)
+        diffs = (done["avg_at_k_after"] - paired).dropna() if row["method"] != "grpo" else pd.Series(dtype=float)
+        row.update(vs_grpo=diffs.mean(), vs_grpo_min=diffs.min(), vs_grpo_max=diffs.max(), vs_grpo_seeds=len(diffs))
+        out.append(row)
+    return pd.DataFrame(out, columns=SUMMARY_COLUMNS)
 
 
 def _jsonable_records(df: pd.DataFrame) -> list[dict[str, Any]]:
@@ -142,8 +207,42 @@ def _jsonable_records(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def report_card(df: pd.DataFrame, title: str = "hint-study") -> str:
-    """A compact markdown report card (nanochat style): one row per variant, the numbers that matter."""
-    show = df[["variant", "avg_at_k_before", "avg_at_k_after", "pass_at_k_after", "never_solved",
+    """A compact markdown report card (nanochat style): one row per variant (and seed, where the study has several),
+    the numbers that matter; with several seeds the summary over seeds comes first."""
+    seeds = df["seed"].dropna().unique() if "seed" in df.columns else []
+    k = df["k"].dropna()
+    at_k = f"k={int(k.iloc[0])}" if len(k) else ""
+    if len(seeds) > 1:
+        return (summary_card(seed_summary(df), f"{title} (no-hint eval{', ' + at_k if at_k else ''}, "
+                                               f"{len(seeds)} seeds)")
+                + "\n\n" + _per_run_card(df, "per seed", with_seed=True))
+    return _per_run_card(df, title + (f" (no-hint eval, {at_k})" if at_k else ""), with_seed=False)
+
+
+def _fmt_range(mean: float, lo: float, hi: float, signed: bool) -> str:
+    if isinstance(mean, float) and math.isnan(mean):
+        return ""
+    f = "{:+.3f}" if signed else "{:.3f}"
+    return f"{f.format(mean)} ({f.format(lo)}..{f.format(hi)})"
+
+
+def summary_card(summary: pd.DataFrame, title: str) -> str:
+    """The summary over seeds as markdown: mean (min..max) of avg@k after and of the paired change vs GRPO."""
+    show = pd.DataFrame({
+        "variant": summary["variant"], "seeds": summary["seeds"],
+        "avg@k after": [_fmt_range(m, lo, hi, False) for m, lo, hi in
+                        zip(summary["avg_at_k_after"], summary["avg_at_k_after_min"], summary["avg_at_k_after_max"])],
+        "vs GRPO": [_fmt_range(m, lo, hi, True) for m, lo, hi in
+                    zip(summary["vs_grpo"], summary["vs_grpo_min"], summary["vs_grpo_max"])],
+        "pass@k after": summary["pass_at_k_after"], "never solved": summary["never_solved"],
+        "collapsed": summary["frac_collapsed"], "train/GRPO": summary["train_vs_grpo"],
+        "gen tok/GRPO": summary["gen_vs_grpo"], "open/GRPO": summary["open_vs_grpo"],
+        "failed": summary["failed"]})
+    return f"## {title}\n\nmean over seeds (min..max); vs GRPO: paired by seed\n\n" + tracking.to_markdown(show)
+
+
+def _per_run_card(df: pd.DataFrame, title: str, with_seed: bool) -> str:
+    show = df[["variant", *(["seed"] if with_seed else []), "avg_at_k_before", "avg_at_k_after", "pass_at_k_after", "never_solved",
                "frac_collapsed", "rollouts", "wall_seconds", "train_seconds", "train_vs_grpo", "gen_vs_grpo",
                "open_vs_grpo", "status"]].rename(
                    columns={"avg_at_k_before": "avg@k before", "avg_at_k_after": "avg@k after",
@@ -151,25 +250,35 @@ def report_card(df: pd.DataFrame, title: str = "hint-study") -> str:
                             "frac_collapsed": "collapsed", "wall_seconds": "wall s", "train_seconds": "train s",
                             "train_vs_grpo": "train/GRPO", "gen_vs_grpo": "gen tok/GRPO",
                             "open_vs_grpo": "open/GRPO"})
-    k = df["k"].dropna()
-    head = f"## {title}" + (f" (no-hint eval, k={int(k.iloc[0])})" if len(k) else "")
-    return head + "\n\n" + tracking.to_markdown(show)
+    if with_seed:
+        show["seed"] = show["seed"].astype(str)
+    return f"## {title}\n\n" + tracking.to_markdown(show)
 
 
-def _log_parent_metrics(df: pd.DataFrame, parent_id: str) -> None:
-    metrics = {}
+def _log_parent_metrics(df: pd.DataFrame, summary: pd.DataFrame, parent_id: str) -> None:
+    """`study/<variant>/<col>` at step = seed (a variant's history runs over its seeds) and, with several seeds,
+    `study/<variant>/mean/<col>` (step 0) from the summary."""
+    by_seed: dict[int, dict[str, float]] = {}
     for r in df.itertuples(index=False):
+        step = int(r.seed) if isinstance(r.seed, (int, float)) and not math.isnan(r.seed) else 0
         for col in ("avg_at_k_after", "pass_at_k_after", "never_solved", "frac_collapsed", "wall_seconds",
                     "train_seconds"):
             v = getattr(r, col)
             if isinstance(v, float) and not math.isnan(v):
-                metrics[f"study/{r.variant}/{col}"] = v
-    if metrics:
-        tracking.log_metrics(metrics, step=0, run_id=parent_id)
+                by_seed.setdefault(step, {})[f"study/{r.variant}/{col}"] = v
+    if df["seed"].nunique() > 1:
+        for r in summary.itertuples(index=False):
+            for col in ("avg_at_k_after", "vs_grpo", "pass_at_k_after", "never_solved"):
+                v = getattr(r, col)
+                if isinstance(v, float) and not math.isnan(v):
+                    by_seed.setdefault(0, {})[f"study/{r.variant}/mean/{col}"] = v
+    for step, metrics in sorted(by_seed.items()):
+        tracking.log_metrics(metrics, step=step, run_id=parent_id)
 
 
 def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None = None,
                methods: list[VariantName] = DEFAULT_METHODS, experiment: str | None = None,  # type: ignore[valid-type]
+               seeds: list[Annotated[int, Field(ge=0)]] | None = None,
                benchmarks: dict[str, str] | None = None, force: bool = False, match_budget: bool = False,
                launcher: Launcher = "auto", **overrides: Any) -> list[dict[str, Any]]:
     """Run the hint variants side by side and compare them without hints at test time.
@@ -179,6 +288,7 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None =
         spec: a (partial) RunSpec on top of the preset.
         methods: variants to run, in order.
         experiment: MLflow experiment (default hint-study-<preset>).
+        seeds: run every variant once per seed (paired by seed; summary over seeds); default: the spec's seed.
         benchmarks: no-hint eval files {name: path}; default: the held-out set of the spec.
         force: re-train variants that already finished.
         match_budget: every variant stops at GRPO's total rollout count (equal sampling cost) instead of
@@ -192,11 +302,16 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None =
         raise ValueError(f"invalid run spec: {e}") from None
     experiment = experiment or f"hint-study-{preset or 'custom'}"
     methods = list(methods)
-    teacher = base.teacher  # the `teacher` field: for sage-teacher only; default: reference-solution hints
-    if "sage-teacher" in methods and not teacher:
-        teacher = str(teacher_hints_file(base, experiment))
-        logger.info("sage-teacher: reference-solution hints %s", teacher)
-    variants = variant_specs(base, methods, teacher, match_budget)
+    seed_list = study_seeds(seeds, base)
+    plan: list[tuple[str, int, RunSpec]] = []  # (variant, seed, spec), seed by seed
+    for seed in seed_list:
+        seed_base = with_seed(base, seed)
+        teacher = base.teacher  # the `teacher` field: for sage-teacher only; default: reference-solution hints
+        if "sage-teacher" in methods and not teacher:
+            teacher = str(teacher_hints_file(seed_base, experiment))
+            logger.info("sage-teacher, seed %d: reference-solution hints %s", seed, teacher)
+        plan += [(name, seed, vspec) for name, vspec in
+                 variant_specs(seed_base, methods, teacher, match_budget).items()]
 
     skey = study_key(base, experiment)
     out = runs_root() / slug(experiment) / f"study-{skey}"
@@ -204,6 +319,7 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None =
         base, "study", out, experiment, run_name=f"hint-study-{preset or 'custom'}",
         tags={"sage.study_key": skey, "sage.methods": ",".join(methods), "sage.preset": preset})
     tracking.client().set_tag(parent_id, "sage.methods", ",".join(methods))
+    tracking.client().set_tag(parent_id, "sage.seeds", ",".join(map(str, seed_list)))
     exp_id = tracking.client().get_run(parent_id).info.experiment_id
     logger.info("%s study run %s: %s", "resuming" if resumed else "started", parent_id,
                 tracking.run_url(parent_id, exp_id))
@@ -211,31 +327,36 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None =
     rows: list[dict[str, Any]] = []
     failed: list[str] = []
     try:
-        for name, vspec in variants.items():
-            logger.info("variant %s: method=%s hint_source=%s", name, vspec.method, vspec.hint_source)
-            state = sage_train(preset=None, spec=vspec, experiment=experiment, run_name=name, variant=name,
+        for name, seed, vspec in plan:
+            run_name = name if seeds is None else f"{name}-s{seed}"
+            logger.info("variant %s: method=%s hint_source=%s seed=%d", name, vspec.method, vspec.hint_source, seed)
+            state = sage_train(preset=None, spec=vspec, experiment=experiment, run_name=run_name, variant=name,
                                parent_run_id=parent_id, benchmarks=benchmarks, force=force, launcher=launcher,
                                return_state=True)
             if state.is_completed():
                 row = state.result()
                 rows.append(row)
-                logger.info("variant %s %s: avg@k %.3f -> %.3f", name,
+                logger.info("variant %s %s: avg@k %.3f -> %.3f", run_name,
                             "skipped (finished before)" if row.get("skipped") else "done",
                             row.get("avg_at_k_before", float("nan")), row.get("avg_at_k_after", float("nan")))
             else:
-                failed.append(name)
-                logger.error("variant %s failed: %s", name, state.message)
-                rows.append({"variant": name, "method": vspec.method,
+                failed.append(run_name)
+                logger.error("variant %s failed: %s", run_name, state.message)
+                rows.append({"variant": name, "method": vspec.method, "seed": seed,
                              "hint_source": vspec.hint_source if vspec.uses_hints else "none",
                              "status": "FAILED"})
         table = comparison_table(rows)
+        summary = seed_summary(table)
         tracking.log_table(table, "study/comparison", run_id=parent_id)
-        _log_parent_metrics(table, parent_id)
+        tracking.log_table(summary, "study/summary", run_id=parent_id)
+        _log_parent_metrics(table, summary, parent_id)
         card = report_card(table, f"hint-study {preset or 'custom'}")
         child_ids = [r for r in table["run_id"].dropna().tolist() if r]
         compare = tracking.compare_url(child_ids, exp_id) if child_ids else tracking.run_url(parent_id, exp_id)
         create_table_artifact(_jsonable_records(table), key=f"{slug(experiment)}-comparison",
                               description=f"hint-study comparison ({experiment}); MLflow: {compare}")
+        create_table_artifact(_jsonable_records(summary), key=f"{slug(experiment)}-summary",
+                              description=f"hint-study summary over seeds {seed_list} ({experiment})")
         create_markdown_artifact(card + f"\n\n[Compare in MLflow]({compare})", key=f"{slug(experiment)}-report",
                                  description="hint-study report card")
         create_link_artifact(link=compare, link_text="MLflow comparison", key="mlflow-comparison")

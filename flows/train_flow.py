@@ -33,7 +33,7 @@ def _flow_run_name() -> str:
     from prefect.runtime import flow_run
 
     p = flow_run.parameters or {}
-    name = p.get("variant") or p.get("run_name") or p.get("preset") or "custom"
+    name = p.get("run_name") or p.get("variant") or p.get("preset") or "custom"
     method = p.get("method")
     return f"train-{name}" + (f"-{method}" if method and method not in str(name) else "")
 
@@ -115,7 +115,7 @@ def sage_train(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None =
         preset: named RunSpec preset (sage_core.presets); None starts from RunSpec defaults.
         spec: a (partial) RunSpec applied on top of the preset; only the fields it sets count.
         experiment: MLflow experiment.
-        run_name: MLflow run name (default: method-hint_source).
+        run_name: MLflow run name (default: the variant, else method-hint_source).
         benchmarks: no-hint eval files {name: path} (.parquet/.jsonl); default: the spec's held-out set.
         evaluate_before: evaluate the initial model.
         evaluate_after: evaluate the trained model.
@@ -129,7 +129,7 @@ def sage_train(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None =
         run_spec = resolve_spec(preset, spec, overrides)
     except ValidationError as e:
         raise ValueError(f"invalid run spec: {e}") from None
-    label = variant or run_name or default_label(run_spec)
+    label = run_name or variant or default_label(run_spec)
     logger.info("sage-train %s: preset=%s method=%s hint_source=%s model=%s steps=%d G=%d",
                 label, preset, run_spec.method, run_spec.hint_source, run_spec.model, run_spec.max_steps,
                 run_spec.num_generations)

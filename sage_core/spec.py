@@ -75,7 +75,7 @@ class RunSpec(BaseModel):
     epsilon_high: float = 0.28
     beta: float = 0.0
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    seed: int = 0
+    seed: int = Field(0, ge=0, description="seed of the synthetic prompts, the held-out set and training")
     save_steps: int = Field(10, ge=1)
     gradient_checkpointing: bool = False
     bf16: bool | None = Field(None, description="None: on for CUDA, off on CPU")

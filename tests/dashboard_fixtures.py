@@ -262,6 +262,36 @@ def build_store(root: Path, experiment: str = "sage") -> dict:
     return out
 
 
+def build_seed_study(root: Path, experiment: str = "sage-seeds") -> dict:
+    """A hint study over two seeds (GRPO and SAGE-LIGHT, one child run per variant and seed) whose
+    `study/comparison` and `study/summary` come from flows/study_flow.py's own table functions."""
+    from flows.study_flow import comparison_table, seed_summary
+
+    uri, client = _store(root)
+    exp_id = _experiment(client, root, experiment)
+    parent = client.create_run(exp_id, run_name="hint-study", tags={"sage.kind": "study", "sage.model": "tiny",
+                                                                    "sage.method": "sage-light",
+                                                                    "sage.hint_source": "online"}).info.run_id
+    after = {("grpo", 0): 0.30, ("sage-light", 0): 0.36, ("grpo", 1): 0.25, ("sage-light", 1): 0.27}
+    rows = []
+    for (method, seed), acc in after.items():
+        kid = log_run(client, exp_id, name=f"{method}-s{seed}", method=method, seed=seed, steps=2, n_prompts=4,
+                      parent=parent, tracker=False, eval_after=acc)
+        rows.append({"variant": method, "method": method, "hint_source": "online" if method != "grpo" else "none",
+                     "seed": seed, "k": 4, "avg_at_k_before": 0.30, "avg_at_k_after": acc,
+                     "pass_at_k_after": acc + 0.2, "train_seconds": 10.0 + seed + (3.0 if method != "grpo" else 0.0),
+                     "status": "FINISHED", "run_id": kid["run_id"]})
+    comp = comparison_table(rows)
+    summary = seed_summary(comp)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "study").mkdir()
+        comp.to_parquet(Path(tmp) / "study" / "comparison.parquet", index=False)
+        summary.to_parquet(Path(tmp) / "study" / "summary.parquet", index=False)
+        client.log_artifacts(parent, str(Path(tmp) / "study"), "study")
+    client.set_terminated(parent, "FINISHED")
+    return {"uri": uri, "experiment_id": exp_id, "run_id": parent, "comparison": comp, "summary": summary}
+
+
 def write_big_tracker(root: Path, n_prompts: int = 2000, steps: int = 200, G: int = 8,
                       experiment: str = "sage-big", seed: int = 0) -> dict:
     """A run with n_prompts x steps tracker rows (every prompt at every step), vectorised for speed."""

@@ -20,9 +20,9 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 try:
-    from tests.dashboard_fixtures import dashboard_store, real_store, write_big_tracker
+    from tests.dashboard_fixtures import build_seed_study, dashboard_store, real_store, write_big_tracker
 except ImportError:
-    from dashboard_fixtures import dashboard_store, real_store, write_big_tracker  # noqa: F401
+    from dashboard_fixtures import build_seed_study, dashboard_store, real_store, write_big_tracker  # noqa: F401
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboards" / "app.py")
 PAGES = {"gate": "app_pages/gate.py", "levels": "app_pages/levels.py", "explorer": "app_pages/explorer.py",
@@ -314,6 +314,26 @@ def test_variants_page_compares_the_study(monkeypatch, dashboard_store):
     spec = charts[1].proto.spec
     for label in ("GRPO", "SAGE-LIGHT", "SAGE (online)", "SAGE (fixed)", "SAGE (teacher)"):
         assert label in spec
+
+
+def test_variants_page_shows_a_study_over_seeds(monkeypatch, tmp_path):
+    s = build_seed_study(tmp_path)
+    at = _ok(_app(monkeypatch, s["uri"]).run())
+    _ok(at.switch_page(PAGES["variants"]).run())
+    assert at.selectbox(key="variants_study").value == s["run_id"]
+    comp = _frame(at, "avg_at_k_after")
+    assert list(zip(comp["variant"], comp["seed"])) == [("grpo", 0), ("sage-light", 0), ("grpo", 1),
+                                                         ("sage-light", 1)]
+    assert any(m.value == "Over 2 seeds" for m in at.subheader)
+    summary = _frame(at, "vs_grpo").set_index("variant")
+    # SAGE-LIGHT against GRPO of the same seed: +0.06 and +0.02
+    assert summary.loc["sage-light", "vs_grpo"] == pytest.approx(0.04)
+    assert (summary.loc["sage-light", "vs_grpo_min"], summary.loc["sage-light", "vs_grpo_max"]) == pytest.approx(
+        (0.02, 0.06))
+    assert summary.loc["sage-light", "seeds"] == 2 and math.isnan(summary.loc["grpo", "vs_grpo"])
+    bars = _charts(at)[0].proto.spec
+    assert '"xOffset"' in bars and '"seed"' in bars  # one bar per seed beside each other, not stacked
+    assert "SAGE-LIGHT \u00b7" not in bars and "SAGE-LIGHT ·" not in bars  # seeds are not told apart by label
 
 
 # ------------------------------------------------------------------------------------------------ scale

@@ -12,8 +12,8 @@ import pytest
 from prefect.exceptions import ParameterTypeError
 
 from flows import common, params
-from flows.study_flow import (COMPARISON_COLUMNS, DEFAULT_METHODS, comparison_table, hint_study, report_card,
-                              variant_specs)
+from flows.study_flow import (COMPARISON_COLUMNS, DEFAULT_METHODS, SUMMARY_COLUMNS, comparison_table, hint_study,
+                              report_card, seed_summary, study_key, study_seeds, variant_specs)
 from flows.train_flow import sage_train
 from sage_core import tracking
 from sage_core.presets import PRESETS
@@ -106,6 +106,61 @@ def test_comparison_table_and_report_card():
     assert comparison_table(rows[1:2])["train_vs_grpo"].isna().all()
 
 
+def _seed_row(variant: str, method: str, seed: int, after: float, train_s: float, **kw) -> dict:
+    return {"variant": variant, "method": method, "hint_source": "none" if method == "grpo" else "online",
+            "seed": seed, "k": 4, "avg_at_k_before": 0.2, "avg_at_k_after": after, "pass_at_k_after": after + 0.2,
+            "never_solved": 0.5, "frac_collapsed": 0.7, "train_seconds": train_s, "gen_tokens": 100.0 * train_s,
+            "open_groups": train_s, "status": "FINISHED", "run_id": f"{variant}{seed}", **kw}
+
+
+def test_multi_seed_table_pairs_by_seed():
+    # seed 0: GRPO 0.30 (8 s), SAGE-LIGHT 0.35 (12 s); seed 1: GRPO 0.20 (10 s), SAGE-LIGHT 0.26 (11 s);
+    # seed 2: GRPO 0.40, SAGE-LIGHT failed
+    rows = [_seed_row("grpo", "grpo", 0, 0.30, 8.0), _seed_row("sage-light", "sage-light", 0, 0.35, 12.0),
+            _seed_row("grpo", "grpo", 1, 0.20, 10.0), _seed_row("sage-light", "sage-light", 1, 0.26, 11.0),
+            _seed_row("grpo", "grpo", 2, 0.40, 9.0),
+            {"variant": "sage-light", "method": "sage-light", "hint_source": "online", "seed": 2, "status": "FAILED"}]
+    df = comparison_table(rows)
+    assert list(df["seed"]) == [0, 0, 1, 1, 2, 2] and df["seed"].dtype.kind == "i"
+    # the time ratio is against GRPO of the same seed, not the first GRPO row
+    assert list(df["train_vs_grpo"].round(6))[:4] == [1.0, 1.5, 1.0, 1.1]
+    assert math.isnan(df.loc[5, "train_vs_grpo"])
+    s = seed_summary(df).set_index("variant")
+    assert list(s.index) == ["grpo", "sage-light"] and list(s.columns) == SUMMARY_COLUMNS[1:]
+    light, grpo = s.loc["sage-light"], s.loc["grpo"]
+    assert (light["seeds"], light["failed"], grpo["seeds"], grpo["failed"]) == (2, 1, 3, 0)
+    assert math.isclose(light["avg_at_k_after"], 0.305) and math.isclose(grpo["avg_at_k_after"], 0.30)
+    assert (light["avg_at_k_after_min"], light["avg_at_k_after_max"]) == (0.26, 0.35)
+    # paired: +0.05 (seed 0) and +0.06 (seed 1); seed 2 has no SAGE-LIGHT score
+    assert math.isclose(light["vs_grpo"], 0.055) and light["vs_grpo_seeds"] == 2
+    assert math.isclose(light["vs_grpo_min"], 0.05) and math.isclose(light["vs_grpo_max"], 0.06)
+    assert math.isnan(grpo["vs_grpo"]) and grpo["vs_grpo_seeds"] == 0
+    assert math.isclose(light["train_vs_grpo"], 1.3)  # mean of 1.5 and 1.1
+    card = report_card(df, "t")
+    assert "3 seeds" in card and "| sage-light | 2 | 0.305 (0.260..0.350) | +0.055 (+0.050..+0.060) |" in card
+    assert "| sage-light | 1 | 0.200 | 0.260 |" in card  # the per-seed rows follow
+    # one seed: the card is the per-variant table, without a seed column
+    one = comparison_table(rows[:2])
+    assert "seeds" not in report_card(one, "t") and "| sage-light | 0.200 | 0.350 |" in report_card(one, "t")
+    assert seed_summary(one).set_index("variant").loc["sage-light", "vs_grpo"] == pytest.approx(0.05)
+
+
+def test_study_seeds_and_key():
+    base = params.resolve_spec("tiny-cpu", None, {"seed": 3})
+    assert study_seeds(None, base) == [3] and study_seeds([2, 0, 1], base) == [2, 0, 1]
+    for bad, match in (([], "empty"), ([1, 2, 1], r"\[1\] more than once"), ([-1], ">= 0")):
+        with pytest.raises(ValueError, match=match):
+            study_seeds(bad, base)
+    with pytest.raises(ParameterTypeError, match="seeds"):
+        hint_study.validate_parameters({"seeds": [0, -2]})
+    with pytest.raises(ParameterTypeError, match="seed"):
+        sage_train.validate_parameters({"seed": -1})
+    # the study run holds any seeds; any other field makes another study
+    assert study_key(base, "e") == study_key(params.resolve_spec("tiny-cpu"), "e")
+    assert study_key(base, "e") != study_key(params.resolve_spec("tiny-cpu", None, {"max_steps": 3}), "e")
+    assert study_key(base, "e") != study_key(base, "f")
+
+
 def test_slug_and_run_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SAGE_HOME", str(tmp_path))
     assert common.slug("Hint Study/Tiny_CPU") == "hint-study-tiny-cpu"
@@ -182,47 +237,69 @@ def test_crashed_training_resumes_same_run(prefect_harness, store, monkeypatch):
 
 
 def test_hint_study_children_table_and_rerun(prefect_harness, store):
+    """Two variants over two seeds: each variant trains once per seed on that seed's prompts (the teacher's hints
+    are that seed's reference solutions), the table pairs them by seed, the summary is the arithmetic of the table,
+    and a re-run with a seed already run trains nothing."""
     from prefect.client.orchestration import get_client
 
     methods = ["grpo", "sage-teacher"]
     kw = dict(preset="tiny-cpu", methods=methods, experiment="t-study", **{**SMALL, "max_steps": 1})
-    table = hint_study(**kw)
-    assert [r["variant"] for r in table] == methods
+    table = hint_study(**kw, seeds=[0, 1])
+    assert [(r["variant"], r["seed"]) for r in table] == [(m, s) for s in (0, 1) for m in methods]
     c = tracking.client()
     (parent,) = tracking.find_runs("t-study", kind="study")
-    kids = tracking.find_runs("t-study", kind="train", parent_run_id=parent.info.run_id)
-    assert {r.data.tags["sage.variant"] for r in kids} == set(methods)
-    assert all(tracking.is_complete(r) for r in kids) and tracking.is_complete(c.get_run(parent.info.run_id))
-    teacher = next(r for r in kids if r.data.tags["sage.variant"] == "sage-teacher")
-    assert teacher.data.params["sage.teacher"].endswith(".jsonl") and os.path.isfile(
-        teacher.data.params["sage.teacher"])
+    assert parent.data.tags["sage.seeds"] == "0,1"
+    kids = {r.info.run_id: r for r in tracking.find_runs("t-study", kind="train", parent_run_id=parent.info.run_id)}
+    assert len(kids) == 4 and all(tracking.is_complete(r) for r in kids.values())
+    assert tracking.is_complete(c.get_run(parent.info.run_id))
+    for r in table:  # the child run is the variant at that seed, named for both
+        run = kids[r["run_id"]]
+        assert (run.data.params["sage.seed"], run.data.params["sage.method"]) == (str(r["seed"]), r["method"])
+        assert run.data.tags["sage.variant"] == r["variant"] and run.info.run_name == f"{r['variant']}-s{r['seed']}"
+    teachers = {r["seed"]: kids[r["run_id"]].data.params["sage.teacher"] for r in table
+                if r["variant"] == "sage-teacher"}
+    assert all(t.endswith(".jsonl") and os.path.isfile(t) for t in teachers.values())
+    assert teachers[0] != teachers[1]  # each seed's own prompts
     names = {a.path for a in c.list_artifacts(parent.info.run_id, "study")}
-    assert names == {"study/comparison.parquet", "study/comparison.csv", "study/comparison.md"}
+    assert names == {f"study/{t}.{x}" for t in ("comparison", "summary") for x in ("parquet", "csv", "md")}
     df = pd.read_parquet(c.download_artifacts(parent.info.run_id, "study/comparison.parquet", str(store)))
-    assert list(df["variant"]) == methods and list(df.columns) == COMPARISON_COLUMNS
+    assert list(df["variant"]) == methods * 2 and list(df.columns) == COMPARISON_COLUMNS
     assert df["avg_at_k_before"].notna().all() and df["avg_at_k_after"].notna().all()
-    assert df.loc[df["variant"] == "grpo", "train_vs_grpo"].iloc[0] == 1.0
+    assert (df.loc[df["variant"] == "grpo", "train_vs_grpo"] == 1.0).all()
     assert (df["train_seconds"] > 0).all() and (df["train_seconds"] < df["wall_seconds"]).all()
-    assert df.loc[df["variant"] == "grpo", "gen_vs_grpo"].iloc[0] == 1.0 and (df["gen_tokens"] > 0).all()
-    grpo_row = df[df["variant"] == "grpo"].iloc[0]  # GRPO trains what it generated, plus the prompts
-    assert grpo_row["train_tokens"] > grpo_row["gen_tokens"]
-    # the learning signal: SAGE trains at least as many open groups as GRPO (same first rollout; it only re-rolls
-    # all-zero groups)
-    assert df["open_groups"].notna().all() and grpo_row["open_groups"] <= df.loc[
-        df["variant"] == "sage-teacher", "open_groups"].iloc[0]
+    assert (df.loc[df["variant"] == "grpo", "gen_vs_grpo"] == 1.0).all() and (df["gen_tokens"] > 0).all()
+    for seed, d in df.groupby("seed"):
+        grpo_row, teacher_row = d.iloc[0], d.iloc[1]
+        assert grpo_row["train_tokens"] > grpo_row["gen_tokens"]  # GRPO trains what it generated, plus the prompts
+        # the learning signal: SAGE trains at least as many open groups as GRPO (same first rollout; it only
+        # re-rolls all-zero groups)
+        assert grpo_row["open_groups"] <= teacher_row["open_groups"]
+        # the starting model is scored once per seed, on that seed's held-out prompts
+        assert grpo_row["avg_at_k_before"] == teacher_row["avg_at_k_before"]
+        assert teacher_row["train_vs_grpo"] == pytest.approx(teacher_row["train_seconds"] / grpo_row["train_seconds"])
+    summary = pd.read_parquet(c.download_artifacts(parent.info.run_id, "study/summary.parquet", str(store)))
+    assert list(summary["variant"]) == methods and list(summary["seeds"]) == [2, 2]
+    after = {(r["variant"], r["seed"]): r["avg_at_k_after"] for r in table}
+    diffs = [after[("sage-teacher", s)] - after[("grpo", s)] for s in (0, 1)]
+    teacher = summary.set_index("variant").loc["sage-teacher"]
+    assert teacher["vs_grpo"] == pytest.approx(sum(diffs) / 2) and teacher["vs_grpo_seeds"] == 2
+    assert (teacher["vs_grpo_min"], teacher["vs_grpo_max"]) == pytest.approx((min(diffs), max(diffs)))
+    hist = sorted((m.step, m.value) for m in c.get_metric_history(parent.info.run_id, "study/grpo/avg_at_k_after"))
+    assert [h[0] for h in hist] == [0, 1] and [h[1] for h in hist] == pytest.approx([after[("grpo", 0)],
+                                                                                  after[("grpo", 1)]])
 
     with get_client(sync_client=True) as pc:
         arts = pc.read_artifacts()
         task_runs = pc.read_task_runs()
-    assert any(a.key == "t-study-comparison" and a.type == "table" for a in arts)
-    # the initial model is evaluated once: the second variant's "before" eval comes from Prefect's cache
+    assert {"t-study-comparison", "t-study-summary"} <= {a.key for a in arts if a.type == "table"}
+    # the initial model is evaluated once per seed: the second variant's "before" eval comes from Prefect's cache
     before = sorted(t.state.name for t in task_runs if t.name.startswith("evaluate-") and t.name.endswith("-before"))
-    assert before == ["Cached", "Completed"], before
+    assert before == ["Cached", "Cached", "Completed", "Completed"], before
 
-    # re-run: nothing trains again, same parent, same children
-    table2 = hint_study(**kw)
-    assert [r["run_id"] for r in table2] == [r["run_id"] for r in table]
-    assert len(tracking.find_runs("t-study", kind="train")) == len(methods)
+    # re-run with seed 1: nothing trains again, same parent, the table holds that seed's children
+    table2 = hint_study(**kw, seeds=[1])
+    assert [r["run_id"] for r in table2] == [r["run_id"] for r in table if r["seed"] == 1]
+    assert len(tracking.find_runs("t-study", kind="train")) == 4
     assert len(tracking.find_runs("t-study", kind="study")) == 1
 
     # sage-eval on a finished child's checkpoint (runs:/...) over a benchmark file, into a new eval run

@@ -56,7 +56,9 @@ if parent is not None:
         else:
             comp["label"] = comp[next((c for c in ("variant", "name") if c in comp.columns), comp.columns[0])]
         comp["label"] = comp["label"].astype(str)
-        dup = comp["label"].duplicated(keep=False)
+        seeds = comp["seed"].nunique() if "seed" in comp.columns else 0
+        key = ["label", "seed"] if seeds > 1 else ["label"]  # several seeds: one bar per seed, side by side
+        dup = comp.duplicated(key, keep=False)
         tail = comp["variant"].astype(str) if "variant" in comp.columns else pd.Series(comp.index.astype(str),
                                                                                       index=comp.index)
         comp.loc[dup, "label"] = comp.loc[dup, "label"] + " · " + tail[dup]
@@ -67,10 +69,21 @@ if parent is not None:
             pref = sorted(numeric, key=score, reverse=True)
             col = st.selectbox("Column", numeric, index=numeric.index(pref[0]), key="variants_column")
             labels = sorted(comp["label"].unique(), key=lambda v: (D.variant_rank(v), v))
-            st.altair_chart(alt.Chart(comp).mark_bar().encode(
-                x=alt.X("label:N", sort=labels, title=None, axis=alt.Axis(labelAngle=0, labelLimit=200)),
-                y=alt.Y(f"{col}:Q"), color=alt.Color("label:N", legend=None, scale=D.variant_color(labels)),
-                tooltip=list(comp.columns[:12])).properties(height=260), key="variants_bars")
+            enc = {"x": alt.X("label:N", sort=labels, title=None, axis=alt.Axis(labelAngle=0, labelLimit=200)),
+                   "y": alt.Y(f"{col}:Q"), "color": alt.Color("label:N", legend=None,
+                                                              scale=D.variant_color(labels)),
+                   "tooltip": list(comp.columns[:12])}
+            if seeds > 1:
+                enc["xOffset"] = alt.XOffset("seed:N")
+            st.altair_chart(alt.Chart(comp).mark_bar().encode(**enc).properties(height=260), key="variants_bars")
+        summary = D.artifact_parquet(ctx.uri, parent, prow["artifact_uri"], "study/summary.parquet")
+        if seeds > 1 and summary is not None and not summary.empty:
+            st.subheader(f"Over {seeds} seeds")
+            st.caption("Per variant: mean over seeds, the range of no-hint avg@k after training, and `vs_grpo`, the "
+                       "change against GRPO of the same seed (mean, min, max over the seeds both finished).")
+            st.dataframe(summary, hide_index=True, key="variants_summary", column_config={
+                c: st.column_config.NumberColumn(format="%.3f") for c in summary.columns
+                if pd.api.types.is_float_dtype(summary[c])})
 
 # --- learning curves ---------------------------------------------------------------------------------------------
 st.subheader("Learning curves")
