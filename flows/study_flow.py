@@ -74,11 +74,15 @@ def study_key(base: RunSpec, experiment: str) -> str:
     return hashlib.sha256(f"{experiment}\n{neutral.key()}".encode()).hexdigest()[:16]
 
 
-def study_seeds(seeds: list[int] | None, base: RunSpec) -> list[int]:
-    """The seeds to run: `seeds` as given (none twice, at least one), or the base spec's own seed."""
+def study_seeds(seeds: list[int] | None, base: RunSpec, seed_given: bool = False) -> list[int]:
+    """The seeds to run: `seeds` as given (none twice, at least one), or the base spec's own seed. A `seed` the
+    caller gave as well (`seed_given`) must be one of `seeds`: a seed that would be ignored is an error."""
     if seeds is None:
         return [base.seed]
     seeds = [int(s) for s in seeds]
+    if seed_given and base.seed not in seeds:
+        raise ValueError(f"seed={base.seed} and seeds={seeds} both given: a study runs the seeds in `seeds`; "
+                         "leave `seed` out or list it in `seeds`")
     if not seeds:
         raise ValueError("seeds is empty: give at least one seed, or leave `seeds` out to use the spec's seed")
     twice = sorted({s for s in seeds if seeds.count(s) > 1})
@@ -302,7 +306,8 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None =
         raise ValueError(f"invalid run spec: {e}") from None
     experiment = experiment or f"hint-study-{preset or 'custom'}"
     methods = list(methods)
-    seed_list = study_seeds(seeds, base)
+    seed_given = overrides.get("seed") is not None or (spec is not None and "seed" in spec.model_fields_set)
+    seed_list = study_seeds(seeds, base, seed_given)
     plan: list[tuple[str, int, RunSpec]] = []  # (variant, seed, spec), seed by seed
     for seed in seed_list:
         seed_base = with_seed(base, seed)

@@ -151,6 +151,9 @@ def test_study_seeds_and_key():
     for bad, match in (([], "empty"), ([1, 2, 1], r"\[1\] more than once"), ([-1], ">= 0")):
         with pytest.raises(ValueError, match=match):
             study_seeds(bad, base)
+    with pytest.raises(ValueError, match=r"seed=3 and seeds=\[0, 1\] both given"):
+        study_seeds([0, 1], base, seed_given=True)  # the seed the caller set would be ignored
+    assert study_seeds([1, 3], base, seed_given=True) == [1, 3]
     with pytest.raises(ParameterTypeError, match="seeds"):
         hint_study.validate_parameters({"seeds": [0, -2]})
     with pytest.raises(ParameterTypeError, match="seed"):
