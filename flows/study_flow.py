@@ -19,7 +19,8 @@ sampling): every variant of a seed trains and is evaluated on that seed's prompt
 are paired by seed. `study/summary.{parquet,csv,md}` (and the table artifact `<experiment>-summary`) gives per
 variant the mean over seeds, the per-seed range of no-hint avg@k after training, and the paired change against GRPO
 of the same seed (mean, min, max). The study run is the same for any list of seeds (the seed is left out of its
-key): adding seeds later trains only the new ones.
+key): a later call trains only the variants and seeds not finished before, and its tables cover the variants and
+seeds it was given (as for `methods`).
 """
 
 from __future__ import annotations
@@ -246,9 +247,9 @@ def summary_card(summary: pd.DataFrame, title: str) -> str:
 
 
 def _per_run_card(df: pd.DataFrame, title: str, with_seed: bool) -> str:
-    show = df[["variant", *(["seed"] if with_seed else []), "avg_at_k_before", "avg_at_k_after", "pass_at_k_after", "never_solved",
-               "frac_collapsed", "rollouts", "wall_seconds", "train_seconds", "train_vs_grpo", "gen_vs_grpo",
-               "open_vs_grpo", "status"]].rename(
+    show = df[["variant", *(["seed"] if with_seed else []), "avg_at_k_before", "avg_at_k_after", "pass_at_k_after",
+               "never_solved", "frac_collapsed", "rollouts", "wall_seconds", "train_seconds", "train_vs_grpo",
+               "gen_vs_grpo", "open_vs_grpo", "status"]].rename(
                    columns={"avg_at_k_before": "avg@k before", "avg_at_k_after": "avg@k after",
                             "pass_at_k_after": "pass@k after", "never_solved": "never solved",
                             "frac_collapsed": "collapsed", "wall_seconds": "wall s", "train_seconds": "train s",
