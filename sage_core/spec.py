@@ -66,6 +66,14 @@ class RunSpec(BaseModel):
     measure_activations: bool = Field(False, description="log sage/activation_mb: the bytes the loss's forward saves "
                                                          "for backward per micro-batch (the activation memory)")
     learning_rate: float = Field(1e-4, gt=0.0)
+    lora_r: int | None = Field(None, ge=1, description="LoRA rank: train adapters on the linear layers instead of "
+                                                       "all weights (final/ is the merged model); None: full "
+                                                       "fine-tuning")
+    lora_alpha: int = Field(32, ge=1, description="LoRA scaling numerator (the update is scaled by alpha / r)")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    lora_target_modules: str = Field("all-linear", min_length=1,
+                                     description="'all-linear' (every linear layer but the output head) or "
+                                                 "comma-separated module names, e.g. 'q_proj,v_proj'")
     max_prompt_length: int | None = Field(None, ge=1, description="longest prompt in tokens, hint not counted: longer "
                                           "rows are left out at load; with hint_max_tokens, the hint header and "
                                           "max_completion_length it sizes vLLM's context")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 from transformers import TrainerCallback
 
+from .lora import ADAPTER_DIR, merge_adapter, peft_config
 from .spec import RunSpec, check_run_folder
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ def build_trl_grpo_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
 
     args, dataset, model, tokenizer = _trainer_inputs(spec, output_dir)
     trainer = GRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=list(callbacks))
+                          processing_class=tokenizer, callbacks=list(callbacks), peft_config=peft_config(spec))
     if spec.measure_activations:  # the same count as SageGRPOTrainer's, around TRL's own loss
         trainer._compute_loss = measured(trainer._compute_loss, trainer._metrics["train"])
     return trainer
@@ -249,7 +250,7 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
     callbacks = list(callbacks) + ([RolloutBudget(spec.rollout_budget)] if spec.rollout_budget else [])
     return SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
                            processing_class=tokenizer, callbacks=list(callbacks), scheduler=scheduler,
-                           hint_source=hint_source)
+                           hint_source=hint_source, peft_config=peft_config(spec))
 
 
 def last_checkpoint(output_dir: str | Path) -> Path | None:
@@ -309,7 +310,13 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
         log.info("resuming %s from %s (%d tracker records replayed)", output_dir, ckpt.name, replayed)
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     final = output_dir / "final"
-    trainer.save_model(str(final))
+    if spec.lora_r is None:
+        trainer.save_model(str(final))
+    else:  # the adapters, then the full model they make with the base (sage_core.lora)
+        trainer.save_model(str(output_dir / ADAPTER_DIR))
+        if trainer.accelerator.is_main_process:
+            merge_adapter(spec, output_dir / ADAPTER_DIR, final)
+        trainer.accelerator.wait_for_everyone()
     trainer.processing_class.save_pretrained(str(final))
     wall = time.perf_counter() - t0
     history = list(trainer.state.log_history)

