@@ -22,10 +22,8 @@ def peft_config(spec: RunSpec):
     """A `peft.LoraConfig` for the spec, or None for full fine-tuning (lora_r unset)."""
     if spec.lora_r is None:
         return None
-    try:
-        from peft import LoraConfig
-    except ImportError as e:  # pragma: no cover - peft is a base dependency
-        raise ImportError("lora_r needs the `peft` package: pip install peft") from e
+    from peft import LoraConfig
+
     targets = spec.lora_target_modules
     return LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout, bias="none",
                       task_type="CAUSAL_LM",
@@ -40,11 +38,10 @@ def merge_adapter(spec: RunSpec, adapter_dir: str | Path, out_dir: str | Path) -
 
     from .models import load_policy
 
-    base, _ = load_policy(spec.model, spec.gguf_file, dtype=torch.float32)  # merge in float32, as trained
-    dtype = getattr(base.config, "dtype", None) or getattr(base.config, "torch_dtype", None)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    if isinstance(dtype, torch.dtype) and dtype in (torch.bfloat16, torch.float16):
-        merged = merged.to(dtype)
+    base, _ = load_policy(spec.model, spec.gguf_file)  # in the checkpoint's dtype (loading as float32 forgets it)
+    dtype = next(base.parameters()).dtype
+    merged = PeftModel.from_pretrained(base.float(), str(adapter_dir)).merge_and_unload()  # float32, as trained
+    merged = merged.to(dtype)
     out = Path(out_dir)
     merged.save_pretrained(str(out))
     log.info("merged the LoRA adapters of %s into %s", adapter_dir, out)

@@ -434,3 +434,34 @@ def test_lora_trains_adapters_only_and_saves_the_merged_model(tiny_model_dir, tm
     assert not torch.equal(a[q], final[q])  # the third step moved it
     for k in adapted:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_lora_merge_keeps_the_base_checkpoints_dtype(tiny_model_dir, tmp_path):
+    """A bfloat16 base gives a bfloat16 final/ (what vLLM then serves), merged in float32: W + B @ A x alpha / r
+    rounded once."""
+    from peft import get_peft_model
+
+    from sage_core.lora import merge_adapter, peft_config
+    from sage_core.models import load_policy
+
+    model, tok = load_policy("tiny")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tok.save_pretrained(tmp_path / "bf16")
+    spec = small("sage", model=str(tmp_path / "bf16"), lora_r=2, lora_alpha=4, lora_target_modules="q_proj, v_proj")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(load_policy(spec.model, dtype=torch.float32)[0], peft_config(spec))
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: give the adapters something to merge
+            torch.nn.init.normal_(p, std=0.5)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    lora = {n: p.detach() for n, p in peft_model.named_parameters() if "lora_" in n}
+    merge_adapter(spec, tmp_path / "adapter", tmp_path / "final")
+    base = load_policy(str(tmp_path / "bf16"))[0].state_dict()
+    final = load_policy(str(tmp_path / "final"))[0].state_dict()
+    assert {v.dtype for v in final.values()} == {torch.bfloat16}
+    changed = {k for k in base if not torch.equal(base[k], final[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed)
+    k = "model.layers.1.self_attn.v_proj.weight"
+    stem = "base_model.model." + k.removesuffix(".weight")
+    want = base[k].float() + lora[f"{stem}.lora_B.default.weight"] @ lora[f"{stem}.lora_A.default.weight"] * 2
+    assert torch.equal(final[k], want.to(torch.bfloat16))
