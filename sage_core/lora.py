@@ -33,7 +33,6 @@ def peft_config(spec: RunSpec):
 def merge_adapter(spec: RunSpec, adapter_dir: str | Path, out_dir: str | Path) -> Path:
     """Load the base model of `spec`, apply the adapters in `adapter_dir`, merge them and save the full model to
     `out_dir` in the base checkpoint's dtype. Returns `out_dir`."""
-    import torch
     from peft import PeftModel
 
     from .models import load_policy
