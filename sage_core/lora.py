@@ -8,6 +8,7 @@ the saved adapters, so it does not depend on how training was sharded (DDP, ZeRO
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -30,18 +31,38 @@ def peft_config(spec: RunSpec):
                       target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
 
 
-def merge_adapter(spec: RunSpec, adapter_dir: str | Path, out_dir: str | Path) -> Path:
-    """Load the base model of `spec`, apply the adapters in `adapter_dir`, merge them and save the full model to
-    `out_dir` in the base checkpoint's dtype. Returns `out_dir`."""
+def merged_model(base: str, adapter_dir: str | Path, gguf_file: str | None = None):
+    """The base model with the adapters in `adapter_dir` merged into its weights (a plain transformers model), in
+    the base checkpoint's dtype, merged in float32 (as trained)."""
     from peft import PeftModel
 
     from .models import load_policy
 
-    base, _ = load_policy(spec.model, spec.gguf_file)  # in the checkpoint's dtype (loading as float32 forgets it)
-    dtype = next(base.parameters()).dtype
-    merged = PeftModel.from_pretrained(base.float(), str(adapter_dir)).merge_and_unload()  # float32, as trained
-    merged = merged.to(dtype)
+    model, _ = load_policy(base, gguf_file)  # in the checkpoint's dtype (loading as float32 forgets it)
+    dtype = next(model.parameters()).dtype
+    return PeftModel.from_pretrained(model.float(), str(adapter_dir)).merge_and_unload().to(dtype)
+
+
+def merge_adapter(spec: RunSpec, adapter_dir: str | Path, out_dir: str | Path) -> Path:
+    """Merge the adapters in `adapter_dir` into the base model of `spec` and save the full model to `out_dir`.
+    Returns `out_dir`."""
     out = Path(out_dir)
-    merged.save_pretrained(str(out))
+    merged_model(spec.model, adapter_dir, spec.gguf_file).save_pretrained(str(out))
     log.info("merged the LoRA adapters of %s into %s", adapter_dir, out)
     return out
+
+
+def adapter_base(path: str | Path) -> str | None:
+    """The base model a folder of LoRA adapters was trained on (a LoRA run's checkpoint-N/ or adapter/: peft's
+    adapter_config.json, no config.json), or None for any other path."""
+    folder = Path(path).expanduser()
+    cfg = folder / "adapter_config.json"
+    if not folder.is_dir() or (folder / "config.json").is_file() or not cfg.is_file():
+        return None
+    try:
+        base = json.loads(cfg.read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{cfg} cannot be read as a LoRA adapter config ({e})") from e
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"{cfg}: no base_model_name_or_path, so the base model these adapters apply to is unknown")
+    return base

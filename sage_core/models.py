@@ -450,10 +450,20 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
         raise ModelNotFound(f"model not found: {Path(name).expanduser().resolve()} does not exist (a model is 'tiny', "
                             "'smollm2', a local folder or .gguf file, or a Hugging Face id such as org/name)")
     local = Path(name).expanduser()
+    from .lora import adapter_base, merged_model
+
+    base = adapter_base(local) if gguf_file is None else None
+    if base is not None:  # a LoRA run's checkpoint-N/ or adapter/: the base with these adapters merged
+        model = merged_model(base, local)
+        if dtype is not None:
+            model = model.to(dtype)
+        tokenizer = load_tokenizer(local if (local / "tokenizer_config.json").is_file() else resolve_model_path(base))
+        return model, tokenizer
     if gguf_file is None and local.exists() and not (local / "config.json").is_file():
         what = "model folder" if local.is_dir() else "model file"
         raise ModelNotFound(f"{what} {local.resolve()} has no config.json: not a saved model, which is a folder (a "
-                            "run's trained model is its final/ or a checkpoint-N/ folder) or a .gguf file")
+                            "run's trained model is its final/ or a checkpoint-N/ folder, or a LoRA run's adapter "
+                            "folder) or a .gguf file")
     if gguf_file is None and _is_generic_fast_tokenizer(name):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(name)  # e.g. a checkpoint of the tiny model
     else:

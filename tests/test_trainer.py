@@ -425,6 +425,13 @@ def test_lora_trains_adapters_only_and_saves_the_merged_model(tiny_model_dir, tm
         stem = "base_model.model." + k.removesuffix(".weight")
         delta = lora[f"{stem}.lora_B.weight"] @ lora[f"{stem}.lora_A.weight"] * (8 / 4)
         torch.testing.assert_close(final[k], base[k] + delta)
+    # a LoRA checkpoint loads like a model: its base with its adapters merged (here: final/'s weights)
+    from sage_core.lora import adapter_base
+
+    assert adapter_base(tmp_path / "run" / "checkpoint-2") == str(tiny_model_dir)
+    assert adapter_base(res.checkpoint_dir) is None  # final/ is a full model
+    ckpt = load_policy(str(tmp_path / "run" / "checkpoint-2"))[0].state_dict()
+    assert all(torch.equal(ckpt[k], final[k]) for k in final)
     # resumed from the adapter checkpoint to step 3: the model a straight 3-step run trains
     three = spec.model_copy(update={"max_steps": 3})
     resumed, straight = train(three, tmp_path / "run"), train(three, tmp_path / "straight")
@@ -465,3 +472,18 @@ def test_lora_merge_keeps_the_base_checkpoints_dtype(tiny_model_dir, tmp_path):
     stem = "base_model.model." + k.removesuffix(".weight")
     want = base[k].float() + lora[f"{stem}.lora_B.default.weight"] @ lora[f"{stem}.lora_A.default.weight"] * 2
     assert torch.equal(final[k], want.to(torch.bfloat16))
+
+
+def test_an_adapter_folder_without_its_base_is_named(tmp_path):
+    import json
+
+    from sage_core.lora import adapter_base
+    from sage_core.models import ModelNotFound, load_policy
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
+    with pytest.raises(ModelNotFound, match="gone"):
+        load_policy(str(tmp_path / "a"))
+    (tmp_path / "a" / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="adapter_config.json cannot be read"):
+        adapter_base(tmp_path / "a")

@@ -48,3 +48,45 @@ def test_eval_on_vllm_reads_prompts_with_the_models_own_tokenizer(tiny_model_dir
     same = sum(a == b for a, b in zip(hf, vl, strict=True))
     assert same >= 14, list(zip(hf, vl))  # float32 on both sides; a near-tie may tip a greedy token
     assert any("\\boxed" in c[0] for c in vl)
+
+
+@pytest.mark.slow  # an engine of its own (about 30 s): make test-all runs it
+def test_eval_on_vllm_of_a_lora_checkpoint_runs_the_merged_model(tiny_model_dir, tmp_path, monkeypatch):
+    """A LoRA run's checkpoint holds adapters only: vLLM is handed the base with them merged, and its greedy
+    completions are the HF path's on the same merged model."""
+    import torch
+    from peft import get_peft_model
+
+    from sage_core.data import build_dataset
+    from sage_core.evaluate import _generate_vllm, generate_hf, render_prompt
+    from sage_core.lora import peft_config
+    from sage_core.models import load_policy
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    spec = preset("tiny-cpu", lora_r=4)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(load_policy("tiny")[0], peft_config(spec))
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:  # a visible change: peft starts B at zero
+            torch.nn.init.normal_(p, std=0.05)
+    peft_model.save_pretrained(tmp_path / "ckpt")
+    model, tok = load_policy(str(tmp_path / "ckpt"))
+    assert not torch.equal(model.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                           load_policy("tiny")[0].state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    rows = list(build_dataset(preset("tiny-cpu", num_prompts=16, difficulty="easy")))
+    hf = generate_hf(model, tok, [render_prompt(tok, r) for r in rows], k=1, temperature=0.0, max_new_tokens=40)
+    import vllm
+
+    served, real_llm = [], vllm.LLM
+
+    def llm(*a, **kw):
+        served.append(kw["model"])
+        return real_llm(*a, **kw)
+
+    monkeypatch.setattr(vllm, "LLM", llm)
+    vl = _generate_vllm(str(tmp_path / "ckpt"), {"easy": rows}, k=1, temperature=0.0, top_p=1.0, max_new_tokens=40,
+                        seed=0, gguf_file=None, gpu_memory_utilization=0.3)["easy"]
+    assert sum(a == b for a, b in zip(hf, vl, strict=True)) >= 14, list(zip(hf, vl))
+    import os
+
+    assert served[0] != str(tmp_path / "ckpt") and not os.path.exists(served[0])  # a merged copy, removed after
