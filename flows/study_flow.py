@@ -71,8 +71,7 @@ SUMMARY_COLUMNS = ["variant", "method", "hint_source", "k", "seeds", "failed", "
 
 def study_key(base: RunSpec, experiment: str) -> str:
     """The study run's key: the experiment and the base spec without its seed (a study holds any seeds)."""
-    neutral = base.model_copy(update={"seed": 0})
-    return hashlib.sha256(f"{experiment}\n{neutral.key()}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{experiment}\n{with_seed(base, 0).key()}".encode()).hexdigest()[:16]
 
 
 def study_seeds(seeds: list[int] | None, base: RunSpec, seed_given: bool = False) -> list[int]:
@@ -171,14 +170,18 @@ def comparison_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     if df["seed"].notna().all():
         df["seed"] = df["seed"].astype(int)
     df["delta_avg_at_k"] = df["avg_at_k_after"] - df["avg_at_k_before"]
-    seed = df["seed"].fillna(-1)
-    grpo = df["method"] == "grpo"
     for col, ratio in (("train_seconds", "train_vs_grpo"), ("gen_tokens", "gen_vs_grpo"),
                        ("open_groups", "open_vs_grpo")):
-        ref = df.loc[grpo, col].groupby(seed[grpo]).first()
-        base = seed.map(ref)
+        base = _grpo_same_seed(df, col)
         df[ratio] = df[col] / base.where(base > 0)
     return df[COMPARISON_COLUMNS].reset_index(drop=True)
+
+
+def _grpo_same_seed(df: pd.DataFrame, col: str) -> pd.Series:
+    """Each row's reference: `col` of the GRPO row of its seed (NaN where that seed has no GRPO value)."""
+    seed = df["seed"].fillna(-1)
+    grpo = df["method"] == "grpo"
+    return seed.map(df.loc[grpo, col].groupby(seed[grpo]).first())  # first() skips NaN (a failed GRPO run)
 
 
 def seed_summary(table: pd.DataFrame) -> pd.DataFrame:
@@ -186,9 +189,7 @@ def seed_summary(table: pd.DataFrame) -> pd.DataFrame:
     after training) and failed, the mean of SUMMARY_MEANS, the min..max of avg@k after training, and `vs_grpo`: the
     paired change of avg@k after against GRPO of the same seed (mean, min, max over the `vs_grpo_seeds` seeds both
     finished; NaN for GRPO itself and where no seed pairs)."""
-    seed = table["seed"].fillna(-1)
-    grpo = (table["method"] == "grpo") & table["avg_at_k_after"].notna()
-    grpo_after = table.loc[grpo, "avg_at_k_after"].groupby(seed[grpo]).first()
+    grpo_after = _grpo_same_seed(table, "avg_at_k_after")
     out = []
     for variant in table["variant"].drop_duplicates():
         d = table[table["variant"] == variant]
@@ -199,8 +200,7 @@ def seed_summary(table: pd.DataFrame) -> pd.DataFrame:
         row.update({c: d[c].mean() for c in SUMMARY_MEANS})
         row["avg_at_k_after_min"], row["avg_at_k_after_max"] = done["avg_at_k_after"].min(), done[
             "avg_at_k_after"].max()
-        paired = seed[done.index].map(grpo_after)
-        diffs = (done["avg_at_k_after"] - paired).dropna() if row["method"] != "grpo" else pd.Series(dtype=float)
+        diffs = (done["avg_at_k_after"] - grpo_after[done.index]).dropna() if row["method"] != "grpo" else pd.Series(dtype=float)
         row.update(vs_grpo=diffs.mean(), vs_grpo_min=diffs.min(), vs_grpo_max=diffs.max(), vs_grpo_seeds=len(diffs))
         out.append(row)
     return pd.DataFrame(out, columns=SUMMARY_COLUMNS)
@@ -220,8 +220,8 @@ def report_card(df: pd.DataFrame, title: str = "hint-study") -> str:
     if len(seeds) > 1:
         return (summary_card(seed_summary(df), f"{title} (no-hint eval{', ' + at_k if at_k else ''}, "
                                                f"{len(seeds)} seeds)")
-                + "\n\n" + _per_run_card(df, "per seed", with_seed=True))
-    return _per_run_card(df, title + (f" (no-hint eval, {at_k})" if at_k else ""), with_seed=False)
+                + "\n\n" + _per_run_card(df, "per seed", per_seed=True))
+    return _per_run_card(df, title + (f" (no-hint eval, {at_k})" if at_k else ""), per_seed=False)
 
 
 def _fmt_range(mean: float, lo: float, hi: float, signed: bool) -> str:
@@ -246,8 +246,8 @@ def summary_card(summary: pd.DataFrame, title: str) -> str:
     return f"## {title}\n\nmean over seeds (min..max); vs GRPO: paired by seed\n\n" + tracking.to_markdown(show)
 
 
-def _per_run_card(df: pd.DataFrame, title: str, with_seed: bool) -> str:
-    show = df[["variant", *(["seed"] if with_seed else []), "avg_at_k_before", "avg_at_k_after", "pass_at_k_after",
+def _per_run_card(df: pd.DataFrame, title: str, per_seed: bool) -> str:
+    show = df[["variant", *(["seed"] if per_seed else []), "avg_at_k_before", "avg_at_k_after", "pass_at_k_after",
                "never_solved", "frac_collapsed", "rollouts", "wall_seconds", "train_seconds", "train_vs_grpo",
                "gen_vs_grpo", "open_vs_grpo", "status"]].rename(
                    columns={"avg_at_k_before": "avg@k before", "avg_at_k_after": "avg@k after",
@@ -255,7 +255,7 @@ def _per_run_card(df: pd.DataFrame, title: str, with_seed: bool) -> str:
                             "frac_collapsed": "collapsed", "wall_seconds": "wall s", "train_seconds": "train s",
                             "train_vs_grpo": "train/GRPO", "gen_vs_grpo": "gen tok/GRPO",
                             "open_vs_grpo": "open/GRPO"})
-    if with_seed:
+    if per_seed:
         show["seed"] = show["seed"].astype(str)
     return f"## {title}\n\n" + tracking.to_markdown(show)
 

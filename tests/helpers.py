@@ -67,3 +67,20 @@ def _run_group(cmd: list[str], env: dict, timeout: float) -> subprocess.Complete
 def global_metrics(history: list[dict]) -> list[dict]:
     """Timings are each process's own; everything else is computed on gathered groups."""
     return [{k: v for k, v in h.items() if not k.endswith("_seconds")} for h in history]
+
+
+def lora_checkpoint(base_model, spec, out: Path, std: float) -> dict:
+    """Save LoRA adapters (spec's lora settings) on `base_model` to `out`, with B drawn from N(0, std) instead of
+    peft's zeros so that merging them changes the weights. Returns the adapter tensors by parameter name."""
+    import torch
+    from peft import get_peft_model
+
+    from sage_core.lora import peft_config
+
+    torch.manual_seed(0)
+    model = get_peft_model(base_model, peft_config(spec))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=std)
+    model.save_pretrained(out)
+    return {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
-from helpers import metric
+from helpers import lora_checkpoint, metric
 
 from sage_core.data import build_dataset
 from sage_core.hints import write_hints, write_reference_hints
@@ -446,22 +446,14 @@ def test_lora_trains_adapters_only_and_saves_the_merged_model(tiny_model_dir, tm
 def test_lora_merge_keeps_the_base_checkpoints_dtype(tiny_model_dir, tmp_path):
     """A bfloat16 base gives a bfloat16 final/ (what vLLM then serves), merged in float32: W + B @ A x alpha / r
     rounded once."""
-    from peft import get_peft_model
-
-    from sage_core.lora import merge_adapter, peft_config
+    from sage_core.lora import merge_adapter
     from sage_core.models import load_policy
 
     model, tok = load_policy("tiny")
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     tok.save_pretrained(tmp_path / "bf16")
     spec = small("sage", model=str(tmp_path / "bf16"), lora_r=2, lora_alpha=4, lora_target_modules="q_proj, v_proj")
-    torch.manual_seed(0)
-    peft_model = get_peft_model(load_policy(spec.model, dtype=torch.float32)[0], peft_config(spec))
-    for name, p in peft_model.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero: give the adapters something to merge
-            torch.nn.init.normal_(p, std=0.5)
-    peft_model.save_pretrained(tmp_path / "adapter")
-    lora = {n: p.detach() for n, p in peft_model.named_parameters() if "lora_" in n}
+    lora = lora_checkpoint(load_policy(spec.model, dtype=torch.float32)[0], spec, tmp_path / "adapter", std=0.5)
     merge_adapter(spec, tmp_path / "adapter", tmp_path / "final")
     base = load_policy(str(tmp_path / "bf16"))[0].state_dict()
     final = load_policy(str(tmp_path / "final"))[0].state_dict()

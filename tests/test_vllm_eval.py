@@ -55,21 +55,14 @@ def test_eval_on_vllm_of_a_lora_checkpoint_runs_the_merged_model(tiny_model_dir,
     """A LoRA run's checkpoint holds adapters only: vLLM is handed the base with them merged, and its greedy
     completions are the HF path's on the same merged model."""
     import torch
-    from peft import get_peft_model
+    from helpers import lora_checkpoint
 
     from sage_core.data import build_dataset
     from sage_core.evaluate import _generate_vllm, generate_hf, render_prompt
-    from sage_core.lora import peft_config
     from sage_core.models import load_policy
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    spec = preset("tiny-cpu", lora_r=4)
-    torch.manual_seed(0)
-    peft_model = get_peft_model(load_policy("tiny")[0], peft_config(spec))
-    for name, p in peft_model.named_parameters():
-        if "lora_B" in name:  # a visible change: peft starts B at zero
-            torch.nn.init.normal_(p, std=0.05)
-    peft_model.save_pretrained(tmp_path / "ckpt")
+    lora_checkpoint(load_policy("tiny")[0], preset("tiny-cpu", lora_r=4), tmp_path / "ckpt", std=0.05)
     model, tok = load_policy(str(tmp_path / "ckpt"))
     assert not torch.equal(model.state_dict()["model.layers.0.self_attn.q_proj.weight"],
                            load_policy("tiny")[0].state_dict()["model.layers.0.self_attn.q_proj.weight"])
