@@ -238,15 +238,16 @@ def _encode_batch(tokenizer, pairs: list[tuple[str, str]]):
     return ids, mask, lab
 
 
-def _train_threads() -> int:
+def _train_threads(others: float | None = None) -> int:
     """2 threads on an idle 2-core machine; 1 when the machine is busy (OpenMP threads spinning against other
     processes made a step up to 10x slower in measurements on a loaded 2-core box). Busy is measured now, over half
     a second: the load average still counts a pip install that ended a minute ago (as at the start of `make test`,
-    where a 1-thread build took 275 s against 186 s). Either way the weights are the same (checked: 1 and 2 threads
-    give identical files)."""
+    where a 1-thread build took 275 s against 186 s). `others`: the cores other processes used lately, where the
+    caller measured it (a build deciding again mid-way, see `_CoreMeter`). Either way the weights are the same
+    (checked: 1 and 2 threads give identical files)."""
     cores = os.cpu_count() or 1
     want = max(1, min(WARM_START["threads"], cores))
-    busy = _busy_cores()
+    busy = others if others is not None else _busy_cores()
     if busy is None:
         try:
             busy = os.getloadavg()[0]
@@ -255,21 +256,49 @@ def _train_threads() -> int:
     return 1 if busy > 0.75 * cores else want
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(all, idle + iowait) jiffies of the machine, from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return sum(ticks), ticks[3] + ticks[4]
+
+
 def _busy_cores(window: float = 0.5) -> float | None:
     """Cores in use over the next `window` seconds, from /proc/stat (None where it cannot be read)."""
-    def snapshot() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
-
     try:
-        total0, idle0 = snapshot()
+        total0, idle0 = _cpu_ticks()
         time.sleep(window)
-        total1, idle1 = snapshot()
+        total1, idle1 = _cpu_ticks()
     except (OSError, ValueError, IndexError):
         return None
     total = total1 - total0
     return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / total) if total > 0 else 0.0
+
+
+class _CoreMeter:
+    """The cores other processes used since the last reading: the machine's busy cores from /proc/stat less this
+    process's own CPU time. The warm start reads it every few dozen steps and takes 1 or 2 threads again, so a
+    build that began beside installs (make test builds the model while pip and apt run) gets its second thread
+    back when they end, and one that began alone gives it up when they start."""
+
+    def __init__(self):
+        self._last = self._now()
+
+    @staticmethod
+    def _now():
+        try:
+            return time.perf_counter(), time.process_time(), _cpu_ticks()
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def others(self) -> float | None:
+        now, last = self._now(), self._last
+        self._last = now
+        if now is None or last is None or now[0] <= last[0] or now[2][0] <= last[2][0]:
+            return None
+        (w0, c0, (t0, i0)), (w1, c1, (t1, i1)) = last, now
+        busy = (os.cpu_count() or 1) * (1 - (i1 - i0) / (t1 - t0))
+        return max(0.0, busy - (c1 - c0) / (w1 - w0))
 
 
 def build_tiny(out_dir: str | Path, seed: int = 0, steps: int | None = None, log_every: int = 100,
@@ -305,7 +334,14 @@ def build_tiny(out_dir: str | Path, seed: int = 0, steps: int | None = None, log
 
         kinds, weights = zip(*cfg["mixture"].items())
         losses: list[float] = []
+        meter, threads_every_50 = _CoreMeter(), []
         for step in range(total):
+            if step and step % 50 == 0:
+                others = meter.others()
+                if others is not None:
+                    torch.set_num_threads(_train_threads(others))
+            if step % 50 == 0:
+                threads_every_50.append(torch.get_num_threads())
             kind = rng.choices(kinds, weights=weights)[0]
             ids, mask, lab = _encode_batch(tokenizer, [warm_start_example(kind, rng)
                                                        for _ in range(cfg["batch_size"])])
@@ -330,7 +366,7 @@ def build_tiny(out_dir: str | Path, seed: int = 0, steps: int | None = None, log
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
         report = {"key": tiny_key(seed), "seed": seed, "steps": total, "wall_s": round(time.perf_counter() - t0, 2),
-                  "cpu_s": round(time.process_time() - c0, 2), "threads": torch.get_num_threads(),
+                  "cpu_s": round(time.process_time() - c0, 2), "threads_every_50": threads_every_50,
                   "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
                   "losses_every_50": [round(sum(losses[i:i + 50]) / len(losses[i:i + 50]), 4)
                                       for i in range(0, len(losses), 50)],

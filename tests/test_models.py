@@ -268,3 +268,31 @@ def test_warm_start_takes_one_thread_while_the_cores_are_busy_now():
         for p in spin:
             p.kill()
             p.wait()
+
+
+def test_the_core_meter_counts_other_processes_and_leaves_out_this_one():
+    """A build re-decides its threads from what other processes use: its own busy threads are not a reason to drop
+    one, other processes spinning on every core are."""
+    import subprocess
+    import sys
+
+    cores = os.cpu_count() or 1
+    meter = models._CoreMeter()
+    t = time.time()
+    while time.time() - t < 1.0:  # this process busy on one core
+        pass
+    alone = meter.others()
+    spin = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 4: pass"])
+            for _ in range(cores)]
+    try:
+        meter.others()
+        time.sleep(1.5)
+        crowded = meter.others()
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    assert alone is not None and alone < 0.5, alone
+    assert crowded > 0.75 * cores, crowded
+    assert models._train_threads(alone) == min(models.WARM_START["threads"], cores)
+    assert models._train_threads(crowded) == 1
