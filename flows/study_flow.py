@@ -19,8 +19,8 @@ sampling): every variant of a seed trains and is evaluated on that seed's prompt
 are paired by seed. `study/summary.{parquet,csv,md}` (and the table artifact `<experiment>-summary`) gives per
 variant the mean over seeds, the per-seed range of no-hint avg@k after training, and the paired change against GRPO
 of the same seed (mean, min, max). The study run is the same for any list of seeds (the seed is left out of its
-key): a later call trains only the variants and seeds not finished before, and its tables cover the variants and
-seeds it was given (as for `methods`).
+key): a later call trains only the variants and seeds not finished before, and its tables cover every variant and
+seed the study holds (what earlier calls finished too; the newest complete run of each), ordered by seed.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from pydantic import Field, ValidationError
 
-from flows.common import runs_root, slug
+from flows.common import row_from_run, runs_root, slug
 from flows.params import PresetName, resolve_spec, with_spec_overrides
 from flows.train_flow import Launcher, sage_train
 from sage_core import tracking
@@ -144,6 +144,20 @@ def variant_specs(base: RunSpec, methods: list[str], teacher: str | None = None,
             values["max_steps"] = base.max_steps * max(base.max_rounds, 4)
         out[name] = RunSpec(**values)
     return out
+
+
+def earlier_rows(experiment: str, parent_id: str, planned: set[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Result rows of the study run's complete children that this call did not plan: variants and seeds an earlier
+    call finished (the newest run of each variant and seed), so that the study's tables cover all it holds."""
+    newest: list[str] = []
+    seen = set(planned)
+    for run in tracking.find_runs(experiment, kind="train", parent_run_id=parent_id, complete=True):  # newest first
+        seed = run.data.params.get("sage.seed", "")
+        key = (run.data.tags.get("sage.variant"), int(seed) if seed.isdigit() else None)
+        if key not in seen:
+            seen.add(key)
+            newest.append(run.info.run_id)
+    return [{**row_from_run(rid), "skipped": True} for rid in reversed(newest)]  # in the order they trained
 
 
 def _num(v: Any) -> float:
@@ -351,8 +365,14 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None =
                 rows.append({"variant": name, "method": vspec.method, "seed": seed,
                              "hint_source": vspec.hint_source if vspec.uses_hints else "none",
                              "status": "FAILED"})
+        rows += earlier_rows(experiment, parent_id, {(name, seed) for name, seed, _ in plan})
+        # by seed; within a seed, this call's variants in their order, then the earlier ones
+        rows.sort(key=lambda r: -1 if r.get("seed") is None else r["seed"])
         table = comparison_table(rows)
         summary = seed_summary(table)
+        covered = sorted({int(x) for x in table["seed"].dropna()})
+        tracking.client().set_tag(parent_id, "sage.seeds", ",".join(map(str, covered)))
+        tracking.client().set_tag(parent_id, "sage.methods", ",".join(table["variant"].drop_duplicates()))
         tracking.log_table(table, "study/comparison", run_id=parent_id)
         tracking.log_table(summary, "study/summary", run_id=parent_id)
         _log_parent_metrics(table, summary, parent_id)
@@ -362,7 +382,7 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None =
         create_table_artifact(_jsonable_records(table), key=f"{slug(experiment)}-comparison",
                               description=f"hint-study comparison ({experiment}); MLflow: {compare}")
         create_table_artifact(_jsonable_records(summary), key=f"{slug(experiment)}-summary",
-                              description=f"hint-study summary over seeds {seed_list} ({experiment})")
+                              description=f"hint-study summary over seeds {covered} ({experiment})")
         create_markdown_artifact(card + f"\n\n[Compare in MLflow]({compare})", key=f"{slug(experiment)}-report",
                                  description="hint-study report card")
         create_link_artifact(link=compare, link_text="MLflow comparison", key="mlflow-comparison")

@@ -299,11 +299,17 @@ def test_hint_study_children_table_and_rerun(prefect_harness, store):
     before = sorted(t.state.name for t in task_runs if t.name.startswith("evaluate-") and t.name.endswith("-before"))
     assert before == ["Cached", "Cached", "Completed", "Completed"], before
 
-    # re-run with seed 1: nothing trains again, same parent, the table holds that seed's children
-    table2 = hint_study(**kw, seeds=[1])
-    assert [r["run_id"] for r in table2] == [r["run_id"] for r in table if r["seed"] == 1]
+    # re-run GRPO at seed 1: nothing trains again, same parent, and the tables still cover every variant and seed
+    # the study holds (the first call's runs), in the same order
+    table2 = hint_study(**{**kw, "methods": ["grpo"]}, seeds=[1])
+    assert [r["run_id"] for r in table2] == [r["run_id"] for r in table]
     assert len(tracking.find_runs("t-study", kind="train")) == 4
     assert len(tracking.find_runs("t-study", kind="study")) == 1
+    parent = c.get_run(parent.info.run_id)
+    assert (parent.data.tags["sage.seeds"], parent.data.tags["sage.methods"]) == ("0,1", "grpo,sage-teacher")
+    (store / "2").mkdir()
+    summary2 = pd.read_parquet(c.download_artifacts(parent.info.run_id, "study/summary.parquet", str(store / "2")))
+    pd.testing.assert_frame_equal(summary2, summary)
 
     # sage-eval on a finished child's checkpoint (runs:/...) over a benchmark file, into a new eval run
     import json
