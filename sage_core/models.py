@@ -239,12 +239,12 @@ def _encode_batch(tokenizer, pairs: list[tuple[str, str]]):
 
 
 def _train_threads(others: float | None = None) -> int:
-    """2 threads on an idle 2-core machine; 1 when the machine is busy (OpenMP threads spinning against other
-    processes made a step up to 10x slower in measurements on a loaded 2-core box). Busy is measured now, over half
-    a second: the load average still counts a pip install that ended a minute ago (as at the start of `make test`,
-    where a 1-thread build took 275 s against 186 s). `others`: the cores other processes used lately, where the
-    caller measured it (a build deciding again mid-way, see `_CoreMeter`). Either way the weights are the same
-    (checked: 1 and 2 threads give identical files)."""
+    """2 threads on an idle 2-core machine; 1 when other processes keep more than half the cores busy (OpenMP
+    threads spinning against other processes made a step up to 10x slower on a loaded 2-core box; a build beside the
+    test suite took 274 s on 2 threads, 437 CPU-seconds against 364 alone). Busy is measured now, over half a
+    second: the load average still counts a pip install that ended a minute ago. `others`: the cores other
+    processes used lately, where the caller measured it (a build deciding again mid-way, see `_CoreMeter`). Either
+    way the weights are the same (checked: 1 and 2 threads give identical files)."""
     cores = os.cpu_count() or 1
     want = max(1, min(WARM_START["threads"], cores))
     busy = others if others is not None else _busy_cores()
@@ -253,7 +253,7 @@ def _train_threads(others: float | None = None) -> int:
             busy = os.getloadavg()[0]
         except OSError:
             busy = 0.0
-    return 1 if busy > 0.75 * cores else want
+    return 1 if busy > 0.5 * cores else want
 
 
 def _cpu_ticks() -> tuple[int, int]:

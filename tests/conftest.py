@@ -4,14 +4,18 @@
 - `sage_home` (session, autouse): SAGE_HOME -> a fresh per-session dir under pytest's tmp dir, so tests never
   touch the repo's .sage; SAGE_MODEL_CACHE -> $SAGE_TEST_CACHE when set (reused across runs: fast local reruns),
   else <that SAGE_HOME>/cache (the tiny model is then built once per session).
-- `tiny_model_dir` (session): the warm-started tiny model dir (built on first use, about 3-4 minutes on 2 cores).
-  Load your own copy from it (`load_policy("tiny")` or `from_pretrained(tiny_model_dir)`): never share a mutable
-  model object between tests.
+- `tiny_model_dir` (session): the warm-started tiny model dir (about 3 minutes on 2 cores to build). Load your own
+  copy from it (`load_policy("tiny")` or `from_pretrained(tiny_model_dir)`): never share a mutable model object
+  between tests. A test or fixture that needs the tiny model must ask for this fixture: where the model is not
+  cached yet, `sage_home` starts building it in a background process and the tests that ask for it run last
+  (`pytest_collection_modifyitems`), so the others run while it builds.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
@@ -26,7 +30,11 @@ def sage_home(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("SAGE_HOME", "SAGE_MODEL_CACHE")}
     os.environ["SAGE_HOME"] = str(home)
     os.environ["SAGE_MODEL_CACHE"] = os.environ.get("SAGE_TEST_CACHE") or str(home / "cache")
+    builder = _start_tiny_build(home / "tiny-build.log")
     yield home
+    if builder is not None and builder.poll() is None:
+        builder.terminate()
+        builder.wait()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
@@ -39,3 +47,27 @@ def tiny_model_dir(sage_home):
     from sage_core.models import tiny_model_path
 
     return tiny_model_path()
+
+
+def _start_tiny_build(log) -> subprocess.Popen | None:
+    """Start building the tiny model in a background process where it is not cached yet (None where it is). It
+    holds the build lock, so `tiny_model_path()` in a test waits for it and then loads what it wrote; if it fails,
+    that call builds the model itself and says what went wrong."""
+    from sage_core.models import cache_dir, tiny_key
+
+    if (cache_dir() / f"tiny-{tiny_key()}" / "config.json").exists():
+        return None
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-c", "from sage_core.models import tiny_model_path; tiny_model_path()"],
+                                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+
+def _needs_tiny_model(item) -> bool:
+    return "tiny_model_dir" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that need the tiny model run last, in file order, so that the others run while it builds. A
+    module-scoped fixture that tests on both sides use starts twice (the cheap tokenizer fixtures do; the servers'
+    and the model's fixtures are on one side)."""
+    items.sort(key=_needs_tiny_model)

@@ -424,7 +424,7 @@ if pytest is not None:
         return _BUILT["store"]
 
     @pytest.fixture(scope="session")
-    def real_store(tmp_path_factory) -> dict:
+    def real_store(tmp_path_factory, tiny_model_dir) -> dict:
         """The store of a tiny real training run (sage_core.train + the sage_core.tracking callback)."""
         if "real" not in _BUILT:
             import os
