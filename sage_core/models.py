@@ -239,12 +239,12 @@ def _encode_batch(tokenizer, pairs: list[tuple[str, str]]):
 
 
 def _train_threads(others: float | None = None) -> int:
-    """2 threads on an idle 2-core machine; 1 when other processes keep more than half the cores busy (OpenMP
-    threads spinning against other processes made a step up to 10x slower on a loaded 2-core box; a build beside the
-    test suite took 274 s on 2 threads, 437 CPU-seconds against 364 alone). Busy is measured now, over half a
-    second: the load average still counts a pip install that ended a minute ago. `others`: the cores other
-    processes used lately, where the caller measured it (a build deciding again mid-way, see `_CoreMeter`). Either
-    way the weights are the same (checked: 1 and 2 threads give identical files)."""
+    """The warm start's threads: the cores other processes leave free (at least 1, at most WARM_START["threads"]).
+    OpenMP threads spinning against other processes made a step up to 10x slower on a loaded 2-core box, and a build
+    beside the test suite took 274 s on 2 threads, 437 CPU-seconds against 364 alone. `others`: how many cores other
+    processes want, where the caller measured it (a build deciding again mid-way, see `_CoreMeter`); else the cores
+    busy now, over half a second (the load average still counts a pip install that ended a minute ago). Either way
+    the weights are the same (checked: 1 and 2 threads give identical files)."""
     cores = os.cpu_count() or 1
     want = max(1, min(WARM_START["threads"], cores))
     busy = others if others is not None else _busy_cores()
@@ -253,52 +253,62 @@ def _train_threads(others: float | None = None) -> int:
             busy = os.getloadavg()[0]
         except OSError:
             busy = 0.0
-    return 1 if busy > 0.5 * cores else want
-
-
-def _cpu_ticks() -> tuple[int, int]:
-    """(all, idle + iowait) jiffies of the machine, from /proc/stat."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    return sum(ticks), ticks[3] + ticks[4]
+    return max(1, min(want, round(cores - busy)))
 
 
 def _busy_cores(window: float = 0.5) -> float | None:
     """Cores in use over the next `window` seconds, from /proc/stat (None where it cannot be read)."""
+    def snapshot() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+
     try:
-        total0, idle0 = _cpu_ticks()
+        total0, idle0 = snapshot()
         time.sleep(window)
-        total1, idle1 = _cpu_ticks()
+        total1, idle1 = snapshot()
     except (OSError, ValueError, IndexError):
         return None
     total = total1 - total0
     return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / total) if total > 0 else 0.0
 
 
+def _runnable_others() -> int | None:
+    """Threads of other processes runnable right now (running or waiting for a core): /proc/stat's procs_running
+    less this process's threads in state R (None where /proc cannot be read)."""
+    try:
+        with open("/proc/stat") as f:
+            running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+        own = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    own += f.read().rsplit(")", 1)[1].split()[0] == "R"
+            except OSError:  # a thread that just ended
+                continue
+        return max(0, running - own)
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 class _CoreMeter:
-    """The cores other processes used since the last reading: the machine's busy cores from /proc/stat less this
-    process's own CPU time. The warm start reads it every few dozen steps and takes 1 or 2 threads again, so a
-    build that began beside installs (make test builds the model while pip and apt run) gets its second thread
-    back when they end, and one that began alone gives it up when they start."""
+    """How many cores other processes want, sampled once a step: the mean count of their runnable threads. The
+    warm start reads it every 50 steps and takes the cores they leave, so a build beside the test suite runs on one
+    thread and takes the second back when the suite waits for it. (CPU time would not do: this process's own
+    spinning threads take the cores the others wait for, and the others then look idle.)"""
 
     def __init__(self):
-        self._last = self._now()
+        self._samples: list[int] = []
 
-    @staticmethod
-    def _now():
-        try:
-            return time.perf_counter(), time.process_time(), _cpu_ticks()
-        except (OSError, ValueError, IndexError):
-            return None
+    def sample(self) -> None:
+        n = _runnable_others()
+        if n is not None:
+            self._samples.append(n)
 
     def others(self) -> float | None:
-        now, last = self._now(), self._last
-        self._last = now
-        if now is None or last is None or now[0] <= last[0] or now[2][0] <= last[2][0]:
-            return None
-        (w0, c0, (t0, i0)), (w1, c1, (t1, i1)) = last, now
-        busy = (os.cpu_count() or 1) * (1 - (i1 - i0) / (t1 - t0))
-        return max(0.0, busy - (c1 - c0) / (w1 - w0))
+        """The mean since the last call (None without samples)."""
+        samples, self._samples = self._samples, []
+        return sum(samples) / len(samples) if samples else None
 
 
 def build_tiny(out_dir: str | Path, seed: int = 0, steps: int | None = None, log_every: int = 100,
@@ -336,6 +346,7 @@ def build_tiny(out_dir: str | Path, seed: int = 0, steps: int | None = None, log
         losses: list[float] = []
         meter, threads_every_50 = _CoreMeter(), []
         for step in range(total):
+            meter.sample()
             if step and step % 50 == 0:
                 others = meter.others()
                 if others is not None:

@@ -270,35 +270,41 @@ def test_warm_start_takes_one_thread_while_the_cores_are_busy_now():
             p.wait()
 
 
-def test_the_core_meter_counts_other_processes_and_leaves_out_this_one(monkeypatch):
-    """A build re-decides its threads from what other processes use: its own busy threads are no reason to drop
-    one, other processes keeping the cores busy are."""
+def test_the_core_meter_counts_other_processes_and_leaves_out_this_one():
+    """A build re-decides its threads from the runnable threads of other processes: its own busy threads are no
+    reason to drop one, other processes wanting every core are; it takes the cores they leave."""
     import subprocess
     import sys
+    import threading
 
     cores = os.cpu_count() or 1
-    # the arithmetic, on scripted readings: 100 ticks a second per core, 2 s apart
-    clock = iter([(0.0, 0.0, (0, 0)),
-                  (2.0, 2.0, (200 * cores, 200 * cores - 200)),    # 1 core busy, all of it this process's
-                  (4.0, 2.0, (400 * cores, 400 * cores - 400))])   # 1 core busy, none of it this process's
-    monkeypatch.setattr(models._CoreMeter, "_now", staticmethod(lambda: next(clock)))
+    want = min(models.WARM_START["threads"], cores)
+    stop = time.time() + 2.5
+    own = [threading.Thread(target=lambda: [None for _ in iter(lambda: time.time() < stop, False)])
+           for _ in range(2)]  # this process busy (threads in state R, as a build's OpenMP threads)
+    for t in own:
+        t.start()
     meter = models._CoreMeter()
-    assert meter.others() == pytest.approx(0.0)
-    assert meter.others() == pytest.approx(1.0)
-    monkeypatch.undo()
-    # for real: processes spinning on every core while this one sleeps
-    spin = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 4: pass"])
+    for _ in range(20):
+        meter.sample()
+        time.sleep(0.05)
+    alone = meter.others()
+    for t in own:
+        t.join()
+    spin = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 5: pass"])
             for _ in range(cores)]
     try:
-        meter = models._CoreMeter()
-        time.sleep(0.5)
-        meter.others()
-        time.sleep(1.5)
+        time.sleep(1.0)
+        for _ in range(20):
+            meter.sample()
+            time.sleep(0.05)
         crowded = meter.others()
     finally:
         for p in spin:
             p.kill()
             p.wait()
-    assert crowded > 0.75 * cores, crowded
+    assert meter.others() is None  # read, then empty
+    assert crowded >= cores - 0.5, crowded
     assert models._train_threads(crowded) == 1
-    assert models._train_threads(0.0) == min(models.WARM_START["threads"], cores)
+    assert alone < crowded - 0.5, (alone, crowded)
+    assert models._train_threads(0.0) == want and models._train_threads(cores - 1.0) == 1
