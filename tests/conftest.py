@@ -30,7 +30,7 @@ def sage_home(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("SAGE_HOME", "SAGE_MODEL_CACHE")}
     os.environ["SAGE_HOME"] = str(home)
     os.environ["SAGE_MODEL_CACHE"] = os.environ.get("SAGE_TEST_CACHE") or str(home / "cache")
-    builder = _start_tiny_build(home / "tiny-build.log")
+    builder = _start_tiny_build(home / "tiny-build.log") if _TINY_NEEDED else None
     yield home
     if builder is not None and builder.poll() is None:
         builder.terminate()
@@ -57,9 +57,17 @@ def _start_tiny_build(log) -> subprocess.Popen | None:
 
     if (cache_dir() / f"tiny-{tiny_key()}" / "config.json").exists():
         return None
-    with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-c", "from sage_core.models import tiny_model_path; tiny_model_path()"],
-                                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    with open(log, "w") as out:  # stopped at the session's end (SIGTERM -> SystemExit: its temporary folder goes)
+        return subprocess.Popen([sys.executable, "-c", _BUILD], stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ))
+
+
+_BUILD = """import signal, sys
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+from sage_core.models import tiny_model_path
+tiny_model_path()
+"""
+_TINY_NEEDED = False  # whether a collected test needs the tiny model (no background build otherwise)
 
 
 def _needs_tiny_model(item) -> bool:
@@ -70,4 +78,6 @@ def pytest_collection_modifyitems(config, items):
     """The tests that need the tiny model run last, in file order, so that the others run while it builds. A
     module-scoped fixture that tests on both sides use starts twice (the cheap tokenizer fixtures do; the servers'
     and the model's fixtures are on one side)."""
+    global _TINY_NEEDED
     items.sort(key=_needs_tiny_model)
+    _TINY_NEEDED = bool(items) and _needs_tiny_model(items[-1])
