@@ -31,6 +31,11 @@ def sage_home(tmp_path_factory):
     os.environ["SAGE_HOME"] = str(home)
     os.environ["SAGE_MODEL_CACHE"] = os.environ.get("SAGE_TEST_CACHE") or str(home / "cache")
     builder = _start_tiny_build(home / "tiny-build.log") if _TINY_NEEDED else None
+    if builder is not None:  # the tests beside the build compute on one thread, until tiny_model_dir gives it back
+        import torch
+
+        _THREADS_BEFORE_BUILD.append(torch.get_num_threads())
+        torch.set_num_threads(1)
     yield home
     if builder is not None and builder.poll() is None:
         builder.terminate()
@@ -46,7 +51,12 @@ def sage_home(tmp_path_factory):
 def tiny_model_dir(sage_home):
     from sage_core.models import tiny_model_path
 
-    return tiny_model_path()
+    path = tiny_model_path()
+    if _THREADS_BEFORE_BUILD:
+        import torch
+
+        torch.set_num_threads(_THREADS_BEFORE_BUILD.pop())
+    return path
 
 
 def _start_tiny_build(log) -> subprocess.Popen | None:
@@ -68,6 +78,7 @@ from sage_core.models import tiny_model_path
 tiny_model_path()
 """
 _TINY_NEEDED = False  # whether a collected test needs the tiny model (no background build otherwise)
+_THREADS_BEFORE_BUILD: list[int] = []  # this process's torch threads before the background build began
 
 
 def _needs_tiny_model(item) -> bool:
