@@ -106,15 +106,21 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def tiny_model_cached(seed: int = 0) -> Path | None:
+    """The tiny model's directory where it is built already, else None (building nothing)."""
+    final = cache_dir() / f"tiny-{tiny_key(seed)}"
+    return final if (final / "config.json").exists() else None
+
+
 def tiny_model_path(seed: int = 0, rebuild: bool = False) -> Path:
     """The directory of the warm-started tiny model + tokenizer, building it on first use (about 3 minutes on
     2 CPU cores). Safe across processes: one builds, the others wait on the lock and reuse it."""
     root = cache_dir()
     final = root / f"tiny-{tiny_key(seed)}"
-    if (final / "config.json").exists() and not rebuild:
+    if not rebuild and tiny_model_cached(seed):
         return final
     with _file_lock(root / f"tiny-{tiny_key(seed)}.lock"):
-        if (final / "config.json").exists() and not rebuild:
+        if not rebuild and tiny_model_cached(seed):
             return final
         tmp = root / f".tiny-{tiny_key(seed)}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -63,9 +63,9 @@ def _start_tiny_build(log) -> subprocess.Popen | None:
     """Start building the tiny model in a background process where it is not cached yet (None where it is). It
     holds the build lock, so `tiny_model_path()` in a test waits for it and then loads what it wrote; if it fails,
     that call builds the model itself and says what went wrong."""
-    from sage_core.models import cache_dir, tiny_key
+    from sage_core.models import tiny_model_cached
 
-    if (cache_dir() / f"tiny-{tiny_key()}" / "config.json").exists():
+    if tiny_model_cached():
         return None
     with open(log, "w") as out:  # stopped at the session's end (SIGTERM -> SystemExit: its temporary folder goes)
         return subprocess.Popen([sys.executable, "-c", _BUILD], stdout=out, stderr=subprocess.STDOUT,

@@ -280,8 +280,12 @@ def test_the_core_meter_counts_other_processes_and_leaves_out_this_one():
     cores = os.cpu_count() or 1
     want = min(models.WARM_START["threads"], cores)
     stop = time.time() + 2.5
-    own = [threading.Thread(target=lambda: [None for _ in iter(lambda: time.time() < stop, False)])
-           for _ in range(2)]  # this process busy (threads in state R, as a build's OpenMP threads)
+
+    def busy():
+        while time.time() < stop:
+            pass
+
+    own = [threading.Thread(target=busy) for _ in range(2)]  # this process busy (as a build's OpenMP threads)
     for t in own:
         t.start()
     meter = models._CoreMeter()
