@@ -9,6 +9,9 @@
   between tests. A test or fixture that needs the tiny model must ask for this fixture: where the model is not
   cached yet, `sage_home` starts building it in a background process and the tests that ask for it run last
   (`pytest_collection_modifyitems`), so the others run while it builds.
+- `prefect_server` (session): a real `prefect server start` on a free loopback port with its own PREFECT_HOME and
+  sqlite database, shared by the tests that talk to Prefect (a fresh server spends about 20 s creating its
+  database): {"api": its API URL, "log": its log file}.
 """
 
 from __future__ import annotations
@@ -57,6 +60,25 @@ def tiny_model_dir(sage_home):
 
         torch.set_num_threads(_THREADS_BEFORE_BUILD.pop())
     return path
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    from helpers import free_port, http_status, stop_group, wait_ready
+
+    root = tmp_path_factory.mktemp("prefect-server")
+    port, log = free_port(), root / "server.log"
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(PREFECT_HOME=str(root / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    proc = subprocess.Popen([str(os.path.join(os.path.dirname(sys.executable), "prefect")), "server", "start",
+                             "--host", "127.0.0.1", "--port", str(port), "--analytics-off"], env=env,
+                            start_new_session=True, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        wait_ready("prefect server", lambda: http_status(f"{api}/health") == 200, proc, log, 240)
+        yield {"api": api, "log": log}
+    finally:
+        stop_group(proc)
 
 
 def _start_tiny_build(log) -> subprocess.Popen | None:

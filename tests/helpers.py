@@ -4,6 +4,9 @@
 - `run_two_ranks(out, method, overrides, ...)`: tests/mp_train.py under torchrun on 2 CPU processes (gloo, a free
   loopback port); returns the finished process and each rank's state file.
 - `global_metrics(history)`: a rank's log history without its own timings, which is what both ranks must agree on.
+- Servers started by tests: `free_port()` (a free loopback port), `http_status(url)` (0 when nothing answers),
+  `wait_ready(what, ok, proc, log, timeout)` (fails the test with the log's tail if the process exits or stays
+  unready), `stop_group(proc)` (SIGTERM, then SIGKILL, to the process group of a process started in a new session).
 """
 
 from __future__ import annotations
@@ -11,9 +14,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -34,9 +41,7 @@ def run_two_ranks(out: Path, method: str, overrides: dict | None = None, *, ctx_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE.parent),
            "MP_OVERRIDES": json.dumps(overrides or {}), "MP_CTX_LIMIT": str(ctx_limit or ""),
            "MP_BUCKET_OVERHEAD": ",".join(map(str, bucket_overhead or ()))}
-    with socket.socket() as sock:  # a free loopback port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())  # for the rendezvous
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", port, str(HERE / "mp_train.py"), str(out), method]
     proc = _run_group(cmd, env, timeout)
@@ -84,3 +89,46 @@ def lora_checkpoint(base_model, spec, out: Path, std: float) -> dict:
             torch.nn.init.normal_(p, std=std)
     model.save_pretrained(out)
     return {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
+
+
+# ---------------------------------------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def wait_ready(what: str, ok, proc: subprocess.Popen, log: Path, timeout: float) -> float:
+    """Poll `ok()` each second until it holds (returns the seconds waited); fail the test with the last lines of
+    `log` if `proc` exits first or `timeout` passes."""
+    import pytest
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if ok():
+            return time.monotonic() - t0
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        time.sleep(1)
+    pytest.fail(f"{what} not ready after {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

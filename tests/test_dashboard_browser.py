@@ -5,7 +5,6 @@ screenshot, and fails if a page shows a Streamlit exception."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 try:
     from tests.dashboard_fixtures import dashboard_store
@@ -27,12 +27,6 @@ LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-ru
                "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 
 pytestmark = pytest.mark.e2e
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
@@ -56,7 +50,7 @@ def streamlit_server(request):
     pytest.importorskip("playwright.sync_api", reason="the playwright python package is not installed")
     # SAGE_E2E_TRACKING_URI: look at another store (e.g. a real study) instead of the synthetic one
     uri = os.environ.get("SAGE_E2E_TRACKING_URI") or request.getfixturevalue("dashboard_store")["uri"]
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"}
     SHOTS.mkdir(parents=True, exist_ok=True)
     log = (SHOTS / "streamlit.log").open("w")

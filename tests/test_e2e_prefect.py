@@ -1,21 +1,19 @@
-"""End to end, the way a user runs it: a real `prefect server start` on a free loopback port (temp PREFECT_HOME),
-`python -m flows.serve` serving sage-train/tiny-cpu, `prefect deployment run ... --watch` from the CLI, and the
-finished run found with `MlflowClient.search_runs` in a temp sqlite store. Bad parameters are refused at creation."""
+"""End to end, the way a user runs it: a real `prefect server start` on a free loopback port (the session's, from
+tests/conftest.py), `python -m flows.serve` serving sage-train/tiny-cpu, `prefect deployment run ... --watch` from the
+CLI, and the finished run found with `MlflowClient.search_runs` in a temp sqlite store. Bad parameters are refused at
+creation."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import http_status, stop_group, wait_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -25,71 +23,27 @@ TINY = ["--param", "max_steps=2", "--param", "num_prompts=4", "--param", "num_ge
         "--param", "prompts_per_step=2", "--param", "eval_num_prompts=4", "--param", "eval_k=2"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except (urllib.error.URLError, OSError):
-        return 0
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _wait(what: str, ok, proc: subprocess.Popen, log: Path, timeout: float) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if ok():
-            return time.monotonic() - t0
-        if proc.poll() is not None:
-            pytest.fail(f"{what} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        time.sleep(1)
-    pytest.fail(f"{what} not ready after {timeout}s:\n{log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_dir):
-    """(env, tracking_uri): a real Prefect server + the sage-train/tiny-cpu deployment served from this repo."""
+def served(tmp_path_factory, prefect_server, tiny_model_dir):
+    """(env, tracking_uri, serve log): the sage-train/tiny-cpu deployment served from this repo against the
+    session's real Prefect server (tests/conftest.py)."""
     root = tmp_path_factory.mktemp("e2e")
-    port = _free_port()
-    api = f"http://127.0.0.1:{port}/api"
+    api = prefect_server["api"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     env.update(PREFECT_HOME=str(root / "prefect"), PREFECT_API_URL=api, PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_RUNNER_POLL_FREQUENCY="2", PREFECT_CLI_COLORS="false", SAGE_HOME=str(root / "sage"),
                MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}", COLUMNS="250",
                SAGE_MODEL_CACHE=os.environ.get("SAGE_MODEL_CACHE", str(Path(tiny_model_dir).parent)))
-    procs: list[subprocess.Popen] = []
-    server_log, serve_log = root / "server.log", root / "serve.log"
+    serve_log = root / "serve.log"
+    serve = subprocess.Popen([sys.executable, "-m", "flows.serve", "--only", "sage-train", "--preset", "tiny-cpu"],
+                             env=env, cwd=REPO, start_new_session=True, stdout=serve_log.open("w"),
+                             stderr=subprocess.STDOUT)
     try:
-        procs.append(subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                                       str(port), "--analytics-off"], env=env, cwd=REPO, start_new_session=True,
-                                      stdout=server_log.open("w"), stderr=subprocess.STDOUT))
-        _wait("prefect server", lambda: _get(f"{api}/health") == 200, procs[0], server_log, 240)
-        procs.append(subprocess.Popen([sys.executable, "-m", "flows.serve", "--only", "sage-train", "--preset",
-                                       "tiny-cpu"], env=env, cwd=REPO, start_new_session=True,
-                                      stdout=serve_log.open("w"), stderr=subprocess.STDOUT))
-        _wait("flows.serve", lambda: _get(f"{api}/deployments/name/sage-train/tiny-cpu") == 200, procs[1],
-              serve_log, 180)
+        wait_ready("flows.serve", lambda: http_status(f"{api}/deployments/name/sage-train/tiny-cpu") == 200, serve,
+                   serve_log, 180)
         yield env, env["MLFLOW_TRACKING_URI"], serve_log
     finally:
-        for p in reversed(procs):
-            _stop(p)
+        stop_group(serve)
 
 
 def _cli(env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -3,8 +3,10 @@ session-scoped `prefect_test_harness` with the real tiny model, trainer and eval
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+from datetime import UTC, datetime
 import os
 
 import pandas as pd
@@ -175,14 +177,29 @@ def test_slug_and_run_dir(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------------------------- flows (harness)
 @pytest.fixture(scope="session")
-def prefect_harness(tmp_path_factory):
-    from prefect.settings import PREFECT_HOME, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_harness(tmp_path_factory, prefect_server):
+    """This process runs flows against the session's real Prefect server (tests/conftest.py), with its own
+    PREFECT_HOME and result storage; the workers that ship logs and events are drained before the server stops."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+    from prefect.utilities.asyncutils import run_coro_as_sync
 
     home = tmp_path_factory.mktemp("prefect-home")
-    with temporary_settings({PREFECT_HOME: str(home), PREFECT_LOCAL_STORAGE_PATH: str(home / "storage")}):
-        with prefect_test_harness(server_startup_timeout=180):
-            yield home
+    with temporary_settings({PREFECT_HOME: str(home), PREFECT_LOCAL_STORAGE_PATH: str(home / "storage"),
+                             PREFECT_API_URL: prefect_server["api"]}):
+        yield home
+
+        async def drain():
+            with contextlib.suppress(RuntimeError):  # a worker that never started
+                res = APILogWorker.instance().drain()
+                if inspect.isawaitable(res):
+                    await res
+            res = EventsWorker.drain_all()
+            if inspect.isawaitable(res):
+                await res
+
+        run_coro_as_sync(drain())
 
 
 @pytest.fixture
@@ -247,6 +264,7 @@ def test_hint_study_children_table_and_rerun(prefect_harness, store):
 
     methods = ["grpo", "sage-teacher"]
     kw = dict(preset="tiny-cpu", methods=methods, experiment="t-study", **{**SMALL, "max_steps": 1})
+    started = datetime.now(UTC)  # the session's Prefect server holds other tests' task runs too
     table = hint_study(**kw, seeds=[0, 1])
     assert [(r["variant"], r["seed"]) for r in table] == [(m, s) for s in (0, 1) for m in methods]
     c = tracking.client()
@@ -293,7 +311,7 @@ def test_hint_study_children_table_and_rerun(prefect_harness, store):
 
     with get_client(sync_client=True) as pc:
         arts = pc.read_artifacts()
-        task_runs = pc.read_task_runs()
+        task_runs = [t for t in pc.read_task_runs() if t.created >= started]
     assert {"t-study-comparison", "t-study-summary"} <= {a.key for a in arts if a.type == "table"}
     # the initial model is evaluated once per seed: the second variant's "before" eval comes from Prefect's cache
     before = sorted(t.state.name for t in task_runs if t.name.startswith("evaluate-") and t.name.endswith("-before"))
