@@ -2,7 +2,8 @@
 
 - `metric(trainer, key)`: a logged metric's values, one per step that logged it.
 - `run_two_ranks(out, method, overrides, ...)`: tests/mp_train.py under torchrun on 2 CPU processes (gloo, a free
-  loopback port); returns the finished process and each rank's state file.
+  loopback port); returns the finished process and each rank's state file. `run_jobs_on_two_ranks` runs several
+  such jobs (`two_rank_job`) in one launch.
 - `global_metrics(history)`: a rank's log history without its own timings, which is what both ranks must agree on.
 - Servers started by tests: `free_port()` (a free loopback port), `http_status(url)` (0 when nothing answers),
   `wait_ready(what, ok, proc, log, timeout)` (fails the test with the log's tail if the process exits or stays
@@ -34,22 +35,37 @@ def metric(trainer, key: str) -> list:
 
 def run_two_ranks(out: Path, method: str, overrides: dict | None = None, *, ctx_limit: int | None = None,
                   bucket_overhead: tuple[int, int] | None = None, expect_ok: bool = True, timeout: int = 600):
-    """`ctx_limit`: the trainer's generation context limit on both ranks (as vLLM's max_model_len would set it).
+    """One job of tests/mp_train.py on 2 ranks: (finished process, rank 0's state, rank 1's state).
+    `ctx_limit`: the trainer's generation context limit on both ranks (as vLLM's max_model_len would set it).
     `bucket_overhead`: each rank's sage_bucket_overhead (how readily its loss forward splits into length buckets).
-    On a timeout (a hang) the whole process group is killed, ranks included, not only torchrun.
     With expect_ok=False the finished process is returned whatever its exit code, with no state files."""
+    proc, states = run_jobs_on_two_ranks([two_rank_job(out, method, overrides, ctx_limit=ctx_limit,
+                                                       bucket_overhead=bucket_overhead)],
+                                         expect_ok=expect_ok, timeout=timeout)
+    return (proc, *states[0]) if expect_ok else (proc, None, None)
+
+
+def two_rank_job(out: Path, method: str, overrides: dict | None = None, *, ctx_limit: int | None = None,
+                 bucket_overhead: tuple[int, int] | None = None) -> dict:
+    return {"out": str(out), "method": method, "overrides": overrides or {}, "ctx_limit": ctx_limit,
+            "bucket_overhead": list(bucket_overhead) if bucket_overhead else None}
+
+
+def run_jobs_on_two_ranks(jobs: list[dict], *, expect_ok: bool = True, timeout: int = 600):
+    """tests/mp_train.py's jobs (two_rank_job), one after another in one torchrun launch of 2 CPU processes (gloo, a
+    free loopback port): (finished process, [(rank 0's state, rank 1's state) per job]). On a timeout (a hang) the
+    whole process group is killed, ranks included, not only torchrun. With expect_ok=False the process is returned
+    whatever its exit code, with no states."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE.parent),
-           "MP_OVERRIDES": json.dumps(overrides or {}), "MP_CTX_LIMIT": str(ctx_limit or ""),
-           "MP_BUCKET_OVERHEAD": ",".join(map(str, bucket_overhead or ()))}
-    port = str(free_port())  # for the rendezvous
+           "MP_JOBS": json.dumps(jobs)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", port, str(HERE / "mp_train.py"), str(out), method]
+           "--master_port", str(free_port()), str(HERE / "mp_train.py")]
     proc = _run_group(cmd, env, timeout)
     if not expect_ok:
-        return proc, None, None
+        return proc, None
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r0, r1 = (json.loads((out / f"state_rank{r}.json").read_text()) for r in (0, 1))
-    return proc, r0, r1
+    return proc, [tuple(json.loads((Path(j["out"]) / f"state_rank{r}.json").read_text()) for r in (0, 1))
+                  for j in jobs]
 
 
 def _run_group(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:

@@ -1,20 +1,33 @@
 """Two processes (torchrun, gloo on CPU): collapse decided per prompt group, equal work on every rank, and
-scheduler state identical on both ranks afterwards."""
+scheduler state identical on both ranks afterwards. The module's runs share one launch (`runs`)."""
 
 import pandas as pd
 import pytest
-from helpers import global_metrics, run_two_ranks
+from helpers import global_metrics, run_jobs_on_two_ranks, two_rank_job
+
+AGREE = ["sage-light+ada-seq", "sage"]
 
 
-@pytest.mark.parametrize("method", ["sage-light+ada-seq", "sage"])
-def test_two_processes_agree(tiny_model_dir, tmp_path, method):
-    _, r0, r1 = run_two_ranks(tmp_path, method, {"save_steps": 1})  # checkpoints: a collective on every rank
-    assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file()
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """name -> (output folder, rank 0's state, rank 1's state), from one torchrun launch running the jobs in turn."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    jobs = {m: two_rank_job(root / m, m, {"save_steps": 1}) for m in AGREE}  # checkpoints: a collective on every rank
+    # one rank splits every length into a bucket, the other never does (see the test); a hang fails the launch
+    jobs["buckets"] = two_rank_job(root / "buckets", "sage", bucket_overhead=(0, 10**9))
+    _, states = run_jobs_on_two_ranks(list(jobs.values()), timeout=420)
+    return {name: (root / name, *st) for name, st in zip(jobs, states, strict=True)}
+
+
+@pytest.mark.parametrize("method", AGREE)
+def test_two_processes_agree(runs, method):
+    out, r0, r1 = runs[method]
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file()
     assert r0["scheduler"] == r1["scheduler"]  # SAGE-LIGHT levels replayed from every rank's groups
     assert r0["seen"] == r1["seen"] and len(r0["seen"]) >= 4
     assert global_metrics(r0["history"]) == global_metrics(r1["history"])
     assert sum("sage/frac_collapsed" in h for h in r0["history"]) == 2
-    files = sorted((tmp_path / "tracker").glob("step_*.parquet"))
+    files = sorted((out / "tracker").glob("step_*.parquet"))
     assert len(files) == 2  # written once, by rank 0
     for f in files:
         df = pd.read_parquet(f)
@@ -25,12 +38,12 @@ def test_two_processes_agree(tiny_model_dir, tmp_path, method):
         assert all(0 <= levels[p] <= 3 for p in second.index)
 
 
-def test_ranks_whose_loss_forwards_differ_in_count_do_not_wait_on_each_other(tiny_model_dir, tmp_path):
+def test_ranks_whose_loss_forwards_differ_in_count_do_not_wait_on_each_other(runs):
     """The loss's forward runs once per length bucket, and each rank buckets its own rows, so ranks make different
     numbers of forwards. DDP's default broadcast of module buffers makes every forward a collective: the rank with
     fewer forwards went on to the loss's all-reduce while the other waited in its next forward's broadcast, forever
     (seen on two CPU ranks). Here one rank splits every length into a bucket and the other never splits."""
-    _, r0, r1 = run_two_ranks(tmp_path, "sage", bucket_overhead=(0, 10**9), timeout=300)
+    _, r0, r1 = runs["buckets"]
     assert r0["forwards"] > r1["forwards"] > 0
     assert global_metrics(r0["history"]) == global_metrics(r1["history"])
     assert r0["scheduler"] == r1["scheduler"]
