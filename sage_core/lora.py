@@ -31,15 +31,16 @@ def peft_config(spec: RunSpec):
                       target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
 
 
-def merged_model(base: str, adapter_dir: str | Path, gguf_file: str | None = None):
-    """The base model with the adapters in `adapter_dir` merged into its weights (a plain transformers model), in
-    the base checkpoint's dtype, merged in float32 (as trained)."""
+def merged_model(base: str, adapter_dir: str | Path, gguf_file: str | None = None, dtype=None):
+    """The base model with the adapters in `adapter_dir` merged into its weights (a plain transformers model),
+    merged in float32 (as trained), then in `dtype` (default: the base checkpoint's): a float32 run started from a
+    bfloat16 base's adapters gets the unrounded merge."""
     from peft import PeftModel
 
     from .models import load_policy
 
     model, _ = load_policy(base, gguf_file)  # in the checkpoint's dtype (loading as float32 forgets it)
-    dtype = next(model.parameters()).dtype
+    dtype = dtype or next(model.parameters()).dtype
     return PeftModel.from_pretrained(model.float(), str(adapter_dir)).merge_and_unload().to(dtype)
 
 

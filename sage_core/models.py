@@ -507,9 +507,7 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
 
     base = adapter_base(local) if gguf_file is None else None
     if base is not None:  # a LoRA run's checkpoint-N/ or adapter/: the base with these adapters merged
-        model = merged_model(base, local)
-        if dtype is not None:
-            model = model.to(dtype)
+        model = merged_model(base, local, dtype=dtype)
         tokenizer = load_tokenizer(local if (local / "tokenizer_config.json").is_file() else resolve_model_path(base))
         return model, tokenizer
     if gguf_file is None and local.exists() and not (local / "config.json").is_file():

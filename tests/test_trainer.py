@@ -464,6 +464,10 @@ def test_lora_merge_keeps_the_base_checkpoints_dtype(tiny_model_dir, tmp_path):
     stem = "base_model.model." + k.removesuffix(".weight")
     want = base[k].float() + lora[f"{stem}.lora_B.default.weight"] @ lora[f"{stem}.lora_A.default.weight"] * 2
     assert torch.equal(final[k], want.to(torch.bfloat16))
+    # the adapter folder as a float32 run's model: the merge itself, not its bfloat16 rounding
+    as_fp32 = load_policy(str(tmp_path / "adapter"), dtype=torch.float32)[0].state_dict()
+    assert as_fp32[k].dtype == torch.float32 and torch.equal(as_fp32[k], want)
+    assert not torch.equal(want, want.to(torch.bfloat16).float())  # which the rounded merge would have lost
 
 
 def test_an_adapter_folder_without_its_base_is_named(tmp_path):
