@@ -1,13 +1,14 @@
-"""Prefect flows: parameters, variants, the comparison table (pure), and the flows themselves under one
-session-scoped `prefect_test_harness` with the real tiny model, trainer and evaluation (small settings)."""
+"""Prefect flows: parameters, variants, the comparison table (pure), and the flows themselves run in this process
+against the session's real Prefect server (`prefect_harness`) with the real tiny model, trainer and evaluation
+(small settings)."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
 import math
-from datetime import UTC, datetime
 import os
+from datetime import UTC, datetime
 
 import pandas as pd
 import pytest
