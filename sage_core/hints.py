@@ -16,6 +16,7 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 from .data import DataError, MissingDataFile, read_records
@@ -67,23 +68,59 @@ def _norm(s: str) -> str:
     return re.sub(r"\s+|\$", "", s).rstrip(".")
 
 
-def _numeric(s: str) -> bool:
-    return re.fullmatch(r"-?\d+(\.\d+)?", s) is not None
+# A number in a hint or an answer: \frac{a}{b} (also \dfrac, \tfrac), a/b written without spaces, 1,234 with thousands
+# separators, or a plain integer or decimal; a sign only where it cannot be a subtraction ("12-3" is 12 and 3).
+_NUMBER = re.compile(r"(-?)\\[dt]?frac\{\s*(\d+)\s*\}\{\s*(\d+)\s*\}"
+                     r"|(?<![\w.,/])(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)(?![\w.,/])"
+                     r"|(?<![\w.,])(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?)(?!\d)"
+                     r"|(?<![\w.])(-?\d+(?:\.\d+)?)")
+
+
+def _value(m: re.Match) -> Fraction | None:
+    """The value of one number _NUMBER matched (None for a zero denominator)."""
+    sign, num, den, a, b, grouped, plain = m.groups()
+    if num is not None:
+        return Fraction(int(num), int(den)) * (-1 if sign else 1) if int(den) else None
+    if a is not None:
+        return Fraction(a) / Fraction(b) if Fraction(b) else None
+    return Fraction((grouped or plain).replace(",", ""))
+
+
+def _values(text: str) -> set[Fraction]:
+    """The values of the numbers written in `text`, each in every reading: "1/2" is 1/2 and also 1 and 2, "3,400" is
+    3400 and also 3 and 400 (the guard rejects a hint on any reading)."""
+    out: set[Fraction] = set()
+    for m in _NUMBER.finditer(text):
+        if (v := _value(m)) is not None:
+            out.add(v)
+        _, _, _, a, b, grouped, _ = m.groups()
+        if a is not None:
+            out.update((Fraction(a), Fraction(b)))
+        elif grouped is not None:
+            out.update(Fraction(x) for x in grouped.lstrip("-").split(","))
+    return out
+
+
+def _answer_value(answer: str) -> Fraction | None:
+    """The answer's value where the whole answer is one number (17, 9.0, 0.5, 1,234, 3/4, -\\frac{3}{4}; also with
+    LaTeX thin spaces, a percent sign, a degree sign or an escaped dollar sign), else None."""
+    m = _NUMBER.fullmatch(re.sub(r"\\[,!]|\\?%|\^\{?\\circ\}?|\\(?=[\d-])", "", answer))
+    return _value(m) if m is not None else None
 
 
 def leaks(hint: str, answer: str) -> bool:
-    """True when the hint reveals the final answer: it contains the gold answer as a standalone number (or, for a
-    non-numeric answer, as a substring once spaces are removed), or it contains a \\boxed{} answer."""
+    """True when the hint reveals the final answer: it contains a \\boxed{} answer, or the gold answer itself. A
+    numeric answer is matched by value in any form a number is written in (9 and 9.0; 0.5, 1/2 and \\frac{1}{2}; 1234
+    and 1,234) as a standalone number: "19" does not reveal 9, and "12 - 3" is a step, not the answer. Any other
+    answer is matched as a substring once spaces and $ are removed."""
     if "\\boxed" in hint:
         return True
     ans = _norm(str(answer))
     if not ans:
         return False
-    if _numeric(ans):
-        ans = re.sub(r"\.0+$", "", ans)
-        # digits may be spaced out ("1 2" is not 12, but tiny tokenizers print "12" as one word): compare numbers
-        numbers = re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?", hint)
-        return any(re.sub(r"\.0+$", "", n) == ans for n in numbers)
+    value = _answer_value(ans)
+    if value is not None:
+        return value in _values(hint)
     return ans in _norm(hint)
 
 

@@ -23,6 +23,24 @@ def req(pid="p1", level=3, answer="9"):
     ("so \\boxed{x}", "4", True),
     ("half: \\frac{1}{2} of it", "\\frac{1}{2}", True),
     ("use the quadratic formula", "x^2", False),
+    # a numeric answer by value, in whatever form the hint writes it
+    ("it is 1/2 of it", "0.5", True),
+    ("half: \\frac{1}{2}", "0.5", True),
+    ("0.50 of the cake", "1/2", True),
+    ("the value \\dfrac{6}{8}", "\\frac{3}{4}", True),
+    ("about 1,234 coins", "1234", True),
+    ("about 1234 coins", "1\\,234", True),
+    ("about 17% of them", "17\\%", True),
+    ("a 90 degree turn", "90^{\\circ}", True),
+    ("x = -3", "-3", True),
+    # ... but as a standalone number: a larger number, a decimal, a step or a subtraction is not the answer
+    ("17.5 coins", "17", False),
+    ("0.5 of it", "5", False),
+    ("divide 12 / 3", "4", False),
+    ("3/4 of 8", "6", False),
+    ("12-3 first", "9", False),
+    ("12-3 first", "-3", False),
+    ("the fraction \\frac{3}{5}", "0.5", False),
 ])
 def test_leak_guard(hint, answer, leak):
     assert leaks(hint, answer) is leak
