@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import prompts
+from .reward import extract_boxed
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,20 @@ def strip_boxed(answer: str) -> str:
     return s
 
 
+def split_gsm8k(answer: str) -> tuple[str, str] | None:
+    """GSM8K's answer cell, 'rationale with <<48/2=24>> calculator notes\\n#### 72', as (answer, rationale): the
+    answer is what follows the last ####, thousands separators dropped from a number (1,234 -> 1234); the rationale
+    loses the calculator notes. None where the cell has no '#### ' line."""
+    m = re.search(r"(?:^|\n)####\s*([^\n]*)\s*$", answer)
+    if m is None:
+        return None
+    gold = m.group(1).strip()
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", gold):
+        gold = gold.replace(",", "")
+    rationale = re.sub(r"<<[^<>]*>>", "", answer[:m.start()]).strip()
+    return gold, rationale
+
+
 def _to_py(v: Any) -> Any:
     """numpy arrays / pyarrow scalars (from Parquet via pandas) to plain Python."""
     if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):
@@ -342,10 +357,13 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
     if not has_prompt:
         raise DataError(f"{source}: missing column 'prompt' (or 'problem'/'question'); columns found: {columns}")
     answer_cols = (*ANSWER_ALIASES, "reward_model.ground_truth")
+    boxed_in_solution = False  # MATH's layout: no answer column, the answer is the solution's last \boxed{}
     if not any(c in columns for c in ANSWER_ALIASES) and _get_nested(records[0], "reward_model.ground_truth") is None:
-        raise DataError(f"{source}: missing column 'answer' (or {', '.join(ANSWER_ALIASES[1:])}); "
-                         f"columns found: {columns}")
-    rows, no_solution = [], 0
+        if "solution" not in columns or extract_boxed(str(records[0].get("solution") or "")) is None:
+            raise DataError(f"{source}: missing column 'answer' (or {', '.join(ANSWER_ALIASES[1:])}, or a 'solution' "
+                             f"that ends in \\boxed{{answer}}); columns found: {columns}")
+        boxed_in_solution = True
+    rows, no_solution, gsm8k = [], 0, 0
     for i, r in enumerate(records):
         prompt = r.get("prompt")
         problem = first(r, PROBLEM_ALIASES)
@@ -364,7 +382,14 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
             if not users:
                 raise DataError(f"{source}: row {i}: the prompt has no user turn")
             problem = users[-1]
-        answer = first(r, answer_cols)
+        solution = r.get("solution")
+        if boxed_in_solution:
+            answer = extract_boxed(str(solution or ""))
+            if answer is None:
+                raise DataError(f"{source}: row {i} has no 'answer' column and its 'solution' has no \\boxed{{}} "
+                                f"answer: {str(solution)[-80:]!r}")
+        else:
+            answer = first(r, answer_cols)
         if answer is None:
             raise DataError(f"{source}: row {i} has no 'answer' (or {', '.join(ANSWER_ALIASES[1:])}), or only a "
                              f"blank one; columns found: {columns}")
@@ -373,11 +398,15 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
                             f"{type(answer).__name__}: {str(answer)[:80]!r}")
         if isinstance(answer, float) and answer.is_integer():
             answer = int(answer)
+        if isinstance(answer, str) and (split := split_gsm8k(answer)) is not None:
+            answer, rationale = split
+            gsm8k += 1
+            if _is_missing(solution) or not str(solution).strip():
+                solution = rationale
         gold = strip_boxed(str(answer))
         if not gold:
             raise DataError(f"{source}: row {i}: 'answer' {str(answer)[:80]!r} is empty once stripped of $ and "
                             f"\\boxed{{}}")
-        solution = r.get("solution")
         if _is_missing(solution) or not str(solution).strip():
             no_solution += 1
             solution = ""
@@ -385,12 +414,19 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
         if pid is None:
             pid = "h-" + hashlib.sha1(str(problem).encode()).hexdigest()[:12]
         diff = r.get("difficulty")
+        if _is_missing(diff) and isinstance(r.get("level"), str):  # MATH: "Level 3"
+            diff = (re.fullmatch(r"\s*Level\s+(\d+)\s*", r["level"]) or [None, None])[1]
         try:
             diff = int(diff) if not _is_missing(diff) else -1
         except (TypeError, ValueError):
             diff = -1
         rows.append({"prompt": chat, "problem": str(problem), "solution": str(solution),
                      "answer": gold, "prompt_id": str(pid), "difficulty": diff})
+    if gsm8k:
+        logger.info("%s: %d of %d answers in GSM8K's form (rationale, then '#### answer'): the gold answer is what "
+                    "follows ####, the rationale the solution where the row has none", source, gsm8k, len(rows))
+    if boxed_in_solution:
+        logger.info("%s: no answer column: each gold answer is its solution's last \\boxed{}", source)
     if no_solution:
         msg = (f"{source}: {no_solution} of {len(rows)} rows have no 'solution'; their hints will be built "
                f"answer-free from the problem only")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import warnings
 
 import pandas as pd
 import pytest
@@ -289,3 +290,44 @@ def test_eval_rows_from_a_file_are_the_rows_after_the_training_rows(tmp_path):
     spec = RunSpec(data=str(path), num_prompts=6, eval_num_prompts=3)
     assert build_dataset(spec)["problem"] == [f"p{i}" for i in range(6)]
     assert eval_rows(spec)["problem"] == ["p6", "p7", "p8"]
+
+
+def test_gsm8k_answers_split_into_gold_answer_and_solution(tmp_path):
+    """GSM8K's answer cell is the rationale (with <<...>> calculator notes) and then '#### answer': the gold answer
+    is what follows ####, the rationale becomes the solution the hints are written from."""
+    cell = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether "
+            "in April and May.\n#### 72")
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"question": "Natalia sold clips to 48 of her friends in April ...", "answer": cell},
+        {"question": "How many cents ...",
+         "answer": "100 * 12 = <<100*12=1200>>1200 ... 1,234 - 1 = 1,233\n#### 1,233"},
+        {"question": "Own solution", "answer": "First 2 + 2 = 4.\n#### 4", "solution": "Add two and two."},
+    ]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every row has a solution now: no answer-free hints warning
+        rows = load_rows(str(path))
+    assert [r["answer"] for r in rows] == ["72", "1233", "4"]
+    assert rows[0]["solution"] == ("Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in "
+                                   "April and May.")
+    assert rows[1]["solution"] == "100 * 12 = 1200 ... 1,234 - 1 = 1,233"
+    assert rows[2]["solution"] == "Add two and two."  # a solution of its own is kept
+    assert data.split_gsm8k("a plain answer") is None and data.split_gsm8k("x = 3 #### 4") is None
+
+
+def test_math_rows_take_the_answer_from_the_solutions_last_box(tmp_path):
+    """MATH's layout: problem, solution ending in \\boxed{answer}, level 'Level N', no answer column."""
+    rows = [{"problem": "What is half of one?", "solution": "Half of $1$ is $\\boxed{\\frac{1}{2}}$.",
+             "level": "Level 2", "type": "Algebra"},
+            {"problem": "Twice 3?", "solution": "We get $\\boxed{3}$, no, $\\boxed{6}$.", "level": "Level ?"}]
+    path = tmp_path / "math.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    got = load_rows(str(path))
+    assert [(r["answer"], r["difficulty"]) for r in got] == [("\\frac{1}{2}", 2), ("6", -1)]
+    assert got[0]["solution"] == rows[0]["solution"]
+    path.write_text("\n".join(json.dumps(r) for r in [rows[0], {"problem": "p", "solution": "no box here"}]))
+    with pytest.raises(data.DataError, match=r"row 1 has no 'answer' column and its 'solution' has no \\boxed\{\}"):
+        load_rows(str(path))
+    path.write_text(json.dumps({"problem": "p", "solution": "no box"}))
+    with pytest.raises(data.DataError, match=r"missing column 'answer' \(or .*a 'solution' that ends in"):
+        load_rows(str(path))
