@@ -292,13 +292,20 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
     import datasets
     import datasets.exceptions
 
-    # a local dataset folder or an HF dataset name (the latter needs the network unless cached)
+    # a local dataset folder or an HF dataset name (the latter needs the network unless cached), either one with
+    # ":config" for a data set of several configurations (openai/gsm8k:main)
+    name, config = source, None
+    if not path.exists() and ":" in source:
+        name, config = source.rsplit(":", 1)
+        path = Path(name).expanduser()
     try:
-        ds = datasets.load_dataset(str(path) if path.is_dir() else source, split=split)
+        ds = datasets.load_dataset(str(path) if path.is_dir() else name, config or None, split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:  # no such name, offline, no such split
         what = "the local dataset folder" if path.is_dir() else "no such local file or folder; as a Hugging Face dataset"
-        raise DataError(f"{source}: {what}, split {split!r} does not load ({e.__class__.__name__}: {e})") from e
-    return [dict(r) for r in ds], (str(path.resolve()) if path.is_dir() else source)
+        hint = (" (a data set of several configurations is named NAME:CONFIG, e.g. openai/gsm8k:main)"
+                if config is None and "config" in str(e).lower() else "")
+        raise DataError(f"{source}: {what}, split {split!r} does not load ({e.__class__.__name__}: {e}){hint}") from e
+    return [dict(r) for r in ds], (str(path.resolve()) + (f":{config}" if config else "") if path.is_dir() else source)
 
 
 def _json_lines(text: str, path: Path | str) -> list[dict[str, Any]]:

@@ -331,3 +331,22 @@ def test_math_rows_take_the_answer_from_the_solutions_last_box(tmp_path):
     path.write_text(json.dumps({"problem": "p", "solution": "no box"}))
     with pytest.raises(data.DataError, match=r"missing column 'answer' \(or .*a 'solution' that ends in"):
         load_rows(str(path))
+
+
+def test_a_dataset_of_several_configs_is_named_with_its_config(tmp_path):
+    """openai/gsm8k has configs 'main' and 'socratic': NAME:CONFIG picks one (here a local folder laid out the same
+    way, offline); without it, the error says how to name one."""
+    folder = tmp_path / "gsm8k"
+    for config, rationale in (("main", "2 + 2 = <<2+2=4>>4"), ("socratic", "How many? ** 2 + 2 = <<2+2=4>>4")):
+        (folder / config).mkdir(parents=True)
+        (folder / config / "train.jsonl").write_text(json.dumps({"question": "2 + 2?", "answer": rationale + "\n#### 4"}))
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: "
+                                      "main/train.jsonl\n- config_name: socratic\n  data_files:\n  - split: train\n"
+                                      "    path: socratic/train.jsonl\n---\n")
+    (row,) = load_rows(f"{folder}:socratic")
+    assert (row["answer"], row["solution"]) == ("4", "How many? ** 2 + 2 = 4")
+    assert load_rows(f"{folder}:main")[0]["solution"] == "2 + 2 = 4"
+    with pytest.raises(data.DataError, match=r"named NAME:CONFIG, e\.g\. openai/gsm8k:main"):
+        load_rows(str(folder))
+    with pytest.raises(data.DataError, match=r"gsm8k:nope"):
+        load_rows(f"{folder}:nope")
