@@ -190,7 +190,7 @@ def _generic_hint(solution: str, answer: str, level: int) -> str:
 
 ANSWER_ALIASES = ("answer", "gt", "ground_truth", "final_answer")
 PROBLEM_ALIASES = ("problem", "question")
-ID_ALIASES = ("prompt_id", "id", "index")
+ID_ALIASES = ("prompt_id", "id", "index", "unique_id")
 
 
 def strip_boxed(answer: str) -> str:
@@ -423,6 +423,8 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
         diff = r.get("difficulty")
         if _is_missing(diff) and isinstance(r.get("level"), str):  # MATH: "Level 3"
             diff = (re.fullmatch(r"\s*Level\s+(\d+)\s*", r["level"]) or [None, None])[1]
+        elif _is_missing(diff) and isinstance(r.get("level"), int):  # MATH-500: 3
+            diff = r["level"]
         try:
             diff = int(diff) if not _is_missing(diff) else -1
         except (TypeError, ValueError):

@@ -325,6 +325,11 @@ def test_math_rows_take_the_answer_from_the_solutions_last_box(tmp_path):
     got = load_rows(str(path))
     assert [(r["answer"], r["difficulty"]) for r in got] == [("\\frac{1}{2}", 2), ("6", -1)]
     assert got[0]["solution"] == rows[0]["solution"]
+    # MATH-500's layout: an answer column, an int level, unique_id
+    path.write_text(json.dumps({"problem": "p", "solution": "s $\\boxed{2}$", "answer": "2", "level": 4,
+                                "unique_id": "test/algebra/1.json"}))
+    assert [(r["answer"], r["difficulty"], r["prompt_id"]) for r in load_rows(str(path))] == [
+        ("2", 4, "test/algebra/1.json")]
     path.write_text("\n".join(json.dumps(r) for r in [rows[0], {"problem": "p", "solution": "no box here"}]))
     with pytest.raises(data.DataError, match=r"row 1 has no 'answer' column and its 'solution' has no \\boxed\{\}"):
         load_rows(str(path))
