@@ -389,7 +389,7 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
             if not users:
                 raise DataError(f"{source}: row {i}: the prompt has no user turn")
             problem = users[-1]
-        solution = r.get("solution")
+        solution = first(r, ("solution", "reward_model.solution"))
         if boxed_in_solution:
             answer = extract_boxed(str(solution or ""))
             if answer is None:

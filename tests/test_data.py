@@ -355,3 +355,12 @@ def test_a_dataset_of_several_configs_is_named_with_its_config(tmp_path):
         load_rows(str(folder))
     with pytest.raises(data.DataError, match=r"gsm8k:nope"):
         load_rows(f"{folder}:nope")
+
+
+def test_verl_rows_keep_answer_solution_and_index_under_their_nested_columns(tmp_path):
+    """verl's layout (the paper's parquet): reward_model.{ground_truth, solution}, extra_info.index."""
+    path = tmp_path / "verl.jsonl"
+    path.write_text(json.dumps({"problem": "What is 2 + 2?", "extra_info": {"index": 3},
+                                "reward_model": {"ground_truth": "4", "solution": "2 + 2 = 4, so \\boxed{4}."}}))
+    (row,) = load_rows(str(path))
+    assert (row["answer"], row["solution"], row["prompt_id"]) == ("4", "2 + 2 = 4, so \\boxed{4}.", "3")
