@@ -149,10 +149,9 @@ class TrainTime(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.t0 = time.perf_counter()
 
-    def on_save(self, args, state, control, **kwargs):
-        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if state.is_world_process_zero and ckpt.is_dir():
-            (ckpt / TRAIN_SECONDS_FILE).write_text(json.dumps({"train_seconds": self.seconds()}))
+    def checkpoint_files(self) -> dict[str, dict]:
+        """What the trainer writes beside each checkpoint it saves (SageGRPOTrainer._save_checkpoint)."""
+        return {TRAIN_SECONDS_FILE: {"train_seconds": self.seconds()}}
 
     def seconds(self) -> float:
         return self.before + time.perf_counter() - self.t0

@@ -634,14 +634,20 @@ class SageGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------ resume
     def _save_checkpoint(self, model, trial):
-        """HF's checkpoint, and each process's place in its fresh-prompt pool (methods that swap a collapsed group
-        for a new prompt), so that a resumed run draws the prompts the straight run draws. Every process calls it."""
+        """HF's checkpoint and the JSON files beside it: each process's place in its fresh-prompt pool (methods that
+        swap a collapsed group for a new prompt), so that a resumed run draws the prompts the straight run draws,
+        and those of callbacks with a `checkpoint_files()` (sage_core.train.TrainTime: the seconds trained). Every
+        process calls it; the main process writes."""
         super()._save_checkpoint(model, trial)
         places = gather_object([self._pool_pos])
-        if self.accelerator.is_main_process and any(places):
+        files = {POOL_FILE: places} if any(places) else {}
+        for cb in self.callback_handler.callbacks:
+            files.update(cb.checkpoint_files() if hasattr(cb, "checkpoint_files") else {})
+        if self.accelerator.is_main_process:
             ckpt = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            with open(os.path.join(ckpt, POOL_FILE), "w") as f:
-                json.dump(places, f)
+            for name, obj in files.items():
+                with open(os.path.join(ckpt, name), "w") as f:
+                    json.dump(obj, f)
 
     def restore_state(self, up_to_step: int, checkpoint: str | os.PathLike | None = None) -> int:
         """Replay the tracker files of steps <= up_to_step into the tracker and the scheduler, and take this
