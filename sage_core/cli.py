@@ -253,13 +253,13 @@ def parse_benchmarks(pairs: list[str]) -> dict[str, str]:
 
 def benchmark_rows(spec, path: str):
     """Rows of one benchmark: 'synthetic' -> the held-out synthetic eval rows of the spec, else a .parquet/.jsonl
-    file (or dataset) cut to spec.eval_num_prompts rows. The spec's model decides the system turn (none for
+    file, or a data set's test split (sage_core.data.load_benchmark), cut to spec.eval_num_prompts rows. The spec's model decides the system turn (none for
     'tiny', the paper's prompt otherwise), as in training."""
-    from .data import _system_prompt_for, eval_rows, load_rows
+    from .data import _system_prompt_for, eval_rows, load_benchmark
 
     if path == "synthetic":
         return eval_rows(spec)
-    return load_rows(path, limit=spec.eval_num_prompts, system_prompt=_system_prompt_for(spec))
+    return load_benchmark(path, limit=spec.eval_num_prompts, system_prompt=_system_prompt_for(spec))
 
 
 def check_eval_output(path: str | None) -> None:
@@ -298,7 +298,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         except ValidationError as e:
             raise SpecError(format_validation_error(e)) from None
     for name, path in benchmarks.items():
-        if path != "synthetic" and not Path(path).exists() and not re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+        if path != "synthetic" and not Path(path.rsplit(":", 1)[0]).exists() and not re.fullmatch(
+                r"[\w.-]+/[\w.-]+(:[\w.-]+)?", path):
             raise SpecError(f"--benchmark {name}={path}: no such file (and not an HF dataset name)")
     from .evaluate import evaluate
 

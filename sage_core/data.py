@@ -16,7 +16,7 @@ import logging
 import random
 import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,10 @@ class MissingDataFile(DataError, FileNotFoundError):
 
 class PromptTooLong(DataError):
     """A prompt that does not fit the generation context (the trainer raises it on every process together)."""
+
+
+class MissingSplit(DataError):
+    """A data set (folder or HF name) without the split asked for."""
 
 # ----------------------------------------------------------------------------------------------------------------
 # Synthetic task
@@ -304,7 +308,8 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
         what = "the local dataset folder" if path.is_dir() else "no such local file or folder; as a Hugging Face dataset"
         hint = (" (a data set of several configurations is named NAME:CONFIG, e.g. openai/gsm8k:main)"
                 if config is None and "config" in str(e).lower() else "")
-        raise DataError(f"{source}: {what}, split {split!r} does not load ({e.__class__.__name__}: {e}){hint}") from e
+        error = MissingSplit if "unknown split" in str(e).lower() else DataError
+        raise error(f"{source}: {what}, split {split!r} does not load ({e.__class__.__name__}: {e}){hint}") from e
     return [dict(r) for r in ds], (str(path.resolve()) + (f":{config}" if config else "") if path.is_dir() else source)
 
 
@@ -546,10 +551,19 @@ def eval_rows(spec: Any):
         if not rest:
             raise DataError(f"{name}: no rows left for evaluation after the first {spec.num_prompts} training rows")
         return to_dataset(normalise_records(rest, name, system))
-    last: Exception | None = None
-    for split in ("test", "validation"):
+    return load_benchmark(spec.data, n, system, splits=("test", "validation"))
+
+
+def load_benchmark(source: str, limit: int | None = None, system_prompt: str | None = None,
+                   splits: Sequence[str] = ("test", "validation", "train")):
+    """A benchmark's rows: a file as it is; a dataset folder or HF name (NAME[:CONFIG]) from the first of `splits`
+    it has (MATH-500 has only 'test', some AIME sets only 'train')."""
+    if Path(source).expanduser().is_file():
+        return load_rows(source, limit=limit, system_prompt=system_prompt)
+    missing: list[MissingSplit] = []
+    for split in splits:
         try:
-            return load_rows(spec.data, split=split, limit=n, system_prompt=system)
-        except (ValueError, KeyError) as e:  # the split does not exist
-            last = e
-    raise DataError(f"{spec.data}: no 'test' or 'validation' split for evaluation ({last})")
+            return load_rows(source, split=split, limit=limit, system_prompt=system_prompt)
+        except MissingSplit as e:
+            missing.append(e)
+    raise DataError(f"{source}: no {' or '.join(map(repr, splits))} split for evaluation ({missing[-1].__cause__})")

@@ -27,9 +27,9 @@ COLUMNS = ["benchmark", "k", "avg_at_k", "pass_at_k", "n_prompts"]
 
 def _as_rows(rows: Any) -> list[dict[str, Any]]:
     if isinstance(rows, (str, bytes)) or hasattr(rows, "__fspath__"):
-        from .data import load_rows
+        from .data import load_benchmark
 
-        rows = load_rows(str(rows))
+        rows = load_benchmark(str(rows))
     return [dict(r) for r in rows]
 
 

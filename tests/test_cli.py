@@ -366,6 +366,9 @@ def test_eval_hands_spec_settings_to_evaluate(capsys, tmp_path, monkeypatch):
     assert "avg_at_k" in out
     rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "x=/no/such.parquet")
     assert rc == 2 and "no such file" in err
+    # an HF name with its config is taken as one (offline here: it does not load, and the error says so)
+    rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "gsm=openai/gsm8k:main")
+    assert rc == 2 and "no such file" not in err and "openai/gsm8k:main: no such local file or folder" in err, err
 
 
 def test_eval_tiny_for_real(capsys, tmp_path, tiny_model_dir):

@@ -364,3 +364,29 @@ def test_verl_rows_keep_answer_solution_and_index_under_their_nested_columns(tmp
                                 "reward_model": {"ground_truth": "4", "solution": "2 + 2 = 4, so \\boxed{4}."}}))
     (row,) = load_rows(str(path))
     assert (row["answer"], row["solution"], row["prompt_id"]) == ("4", "2 + 2 = 4, so \\boxed{4}.", "3")
+
+
+def test_a_benchmark_data_set_is_read_from_its_test_split(tmp_path):
+    """A benchmark folder or HF name is read from 'test', else 'validation', else 'train' (MATH-500 has only 'test',
+    some AIME sets only 'train'); a run's held-out rows never come from 'train'."""
+    def folder(name, **splits):
+        d = tmp_path / name
+        d.mkdir()
+        for split, answer in splits.items():
+            (d / f"{split}.jsonl").write_text(json.dumps({"problem": f"{split} question", "answer": answer}))
+        return d
+
+    both = folder("both", train="1", test="2")
+    only_train = folder("only_train", train="3")
+    assert data.load_benchmark(str(both))[0]["answer"] == "2"
+    assert data.load_benchmark(str(only_train))[0]["answer"] == "3"
+    spec = RunSpec(data=str(only_train), num_prompts=1, prompts_per_step=1, eval_num_prompts=1)
+    with pytest.raises(data.DataError, match=r"no 'test' or 'validation' split for evaluation"):
+        eval_rows(spec)
+    assert eval_rows(spec.model_copy(update={"data": str(both)}))[0]["answer"] == "2"
+    file = both / "test.jsonl"  # a file is read as it is
+    assert data.load_benchmark(str(file))[0]["problem"] == "test question"
+    bad = folder("bad", test="4")
+    (bad / "test.jsonl").write_text(json.dumps({"problem": "no answer"}))
+    with pytest.raises(data.DataError, match="missing column 'answer'"):  # not taken for a missing split
+        data.load_benchmark(str(bad))
