@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .data import DataError
+from .hints import TeacherError
 from .models import ModelNotFound
 
 EXIT_USAGE = 2
@@ -449,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (SpecError, DataError, ModelNotFound) as e:  # bad input: the message says what, no traceback
+    except (SpecError, DataError, ModelNotFound, TeacherError) as e:  # bad input: the message says what, no traceback
         print(f"sage {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
 

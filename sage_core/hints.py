@@ -281,19 +281,58 @@ class TeacherHints(CachedHints):
         return super().get(requests, ctx)
 
 
-def _openai_generate(base_url: str, model: str | None) -> GenerateFn:
+class TeacherError(RuntimeError):
+    """The teacher endpoint refused a request for a reason retrying cannot mend (a wrong model name, a bad key)."""
+
+
+TEACHER_CONCURRENCY = 16  # requests in flight to an OpenAI-compatible teacher (a vLLM server batches them)
+TEACHER_ATTEMPTS = 3  # tries of one request on a transient failure (no connection, timeout, 429, 5xx)
+
+
+def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHER_CONCURRENCY,
+                     attempts: int = TEACHER_ATTEMPTS, backoff: float = 1.0, timeout: float = 120.0) -> GenerateFn:
+    """Chat completions from an OpenAI-compatible endpoint, `concurrency` requests at a time. A transient failure is
+    retried (`attempts` tries, waiting backoff, 2 x backoff, ...); one that persists gives an empty hint, which the
+    hint sampler resamples and then records as a failed hint: training goes on without it, on every process
+    alike. A refusal that retrying cannot mend (4xx other than 429) raises TeacherError naming the status."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
 
     url = base_url.rstrip("/") + "/chat/completions"
+    client = httpx.Client(timeout=timeout)
+
+    def one(messages: list[dict], max_new_tokens: int, temperature: float) -> str:
+        last = ""
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(backoff * 2 ** (attempt - 1))
+            try:
+                resp = client.post(url, json={"model": model or "default", "messages": messages,
+                                              "max_tokens": max_new_tokens, "temperature": temperature})
+            except httpx.TransportError as e:  # no connection, timeout
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if resp.status_code == 429 or resp.status_code >= 500:
+                last = f"HTTP {resp.status_code}"
+                continue
+            if resp.status_code >= 400:
+                raise TeacherError(f"teacher endpoint {url} refused the request: HTTP {resp.status_code}: "
+                                   f"{resp.text[:300]} (model {model or 'default'!r}; set teacher_model to the "
+                                   "served model's name)")
+            try:
+                return resp.json()["choices"][0]["message"]["content"] or ""
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                raise TeacherError(f"teacher endpoint {url}: not a chat completion ({type(e).__name__}): "
+                                   f"{resp.text[:300]}") from None
+        log.warning("teacher endpoint %s: no answer after %d tries (%s); this hint counts as failed", url, attempts,
+                    last)
+        return ""
 
     def generate(prompts, max_new_tokens, temperature):
-        out = []
-        for messages in prompts:
-            resp = httpx.post(url, json={"model": model or "default", "messages": messages,
-                                         "max_tokens": max_new_tokens, "temperature": temperature}, timeout=120)
-            resp.raise_for_status()
-            out.append(resp.json()["choices"][0]["message"]["content"] or "")
-        return out
+        with ThreadPoolExecutor(max(1, min(concurrency, len(prompts)))) as pool:
+            return list(pool.map(lambda m: one(m, max_new_tokens, temperature), prompts))
 
     return generate
 

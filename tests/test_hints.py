@@ -5,8 +5,8 @@ import json
 import pytest
 
 from sage_core.data import DataError
-from sage_core.hints import (FixedHints, HintContext, HintRequest, OnlineHints, TeacherHints, leaks, read_hints,
-                             request_prompt, sample_hints, write_hints)
+from sage_core.hints import (FixedHints, HintContext, HintRequest, OnlineHints, TeacherError, TeacherHints, leaks,
+                             read_hints, request_prompt, sample_hints, write_hints)
 from sage_core.prompts import hint_request, hinted_problem
 
 
@@ -208,3 +208,102 @@ def test_hints_parquet_reads_back_and_a_corrupt_one_is_a_data_error(tmp_path):
     bad.write_text("not parquet")
     with pytest.raises(DataError, match="not a readable Parquet file"):
         read_hints(bad)
+
+
+class _ChatEndpoint:
+    """A real loopback HTTP server speaking the chat-completions protocol of an OpenAI-compatible teacher (vllm
+    serve): `answer(body) -> (status, reply text)` decides each reply; every request body and the most requests in
+    flight at once are recorded."""
+
+    def __init__(self, answer):
+        import http.server
+        import threading
+        import time
+
+        self.bodies, self.in_flight, self.most = [], 0, 0
+        lock, outer = threading.Lock(), self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    outer.bodies.append(body)
+                    outer.in_flight += 1
+                    outer.most = max(outer.most, outer.in_flight)
+                time.sleep(0.05)
+                status, text = answer(body) if self.path == "/v1/chat/completions" else (404, "no such path")
+                with lock:
+                    outer.in_flight -= 1
+                reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}
+                                   if status == 200 else {"error": text}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+
+
+def _fast_retries(monkeypatch):
+    from functools import partial
+
+    from sage_core import hints
+
+    monkeypatch.setattr(hints, "_openai_generate", partial(hints._openai_generate, backoff=0.01))
+
+
+def test_endpoint_teacher_asks_concurrently_and_retries_transient_failures(monkeypatch):
+    """Hints from an OpenAI-compatible endpoint: requests go out several at a time, a 503 or 429 is tried again,
+    the served model's name and the hint settings are sent, a leaking reply is rejected, and a hint once written is
+    not asked for again."""
+    _fast_retries(monkeypatch)
+    failures = iter([503, 429, 503])
+
+    def answer(body):
+        status = next(failures, 200)
+        problem = body["messages"][-1]["content"]
+        return status, ("the answer is 9" if "She gives away 3" in problem and "level 1 hint" in problem
+                        else "Add first , then take away .")
+
+    reqs = [HintRequest(f"p{i}", f"Ann has {i} coins . She gets 5 more . She gives away {i % 4} .", "", "9", lvl)
+            for i in range(8) for lvl in (1, 2)]
+    with _ChatEndpoint(answer) as teacher:
+        src = TeacherHints(teacher.url, model="qwen-teacher", max_new_tokens=32)
+        got = src.get(reqs, HintContext(generate=ScriptedModel([]), retries=1))
+        asked = len(teacher.bodies)
+        again = src.get(reqs, HintContext(generate=ScriptedModel([]), retries=1))
+    # written hints come from the cache; only the two failed ones are asked again (a sample and a resample each)
+    assert [r.text for r in again] == [r.text for r in got] and len(teacher.bodies) - asked == 2 * 2
+    assert teacher.most > 1  # concurrent requests
+    first = teacher.bodies[0]
+    assert (first["model"], first["max_tokens"], first["temperature"]) == ("qwen-teacher", 32, 0.0)
+    assert asked >= len(reqs) + 3  # the three transient failures were tried again
+    leaked = [(q.prompt_id, q.level) for q, r in zip(reqs, got, strict=True) if r.leaked]
+    assert leaked == [("p3", 1), ("p7", 1)] and all(got[i].failed for i in (6, 14))  # rejected, resampled, failed
+    assert [r.text for r in got].count("Add first , then take away .") == len(reqs) - 2
+
+
+def test_endpoint_teacher_that_stays_down_fails_the_hints_and_one_that_refuses_says_why(monkeypatch, caplog):
+    _fast_retries(monkeypatch)
+    reqs = [HintRequest("p1", "Ann has 7 coins .", "", "9", 1), HintRequest("p2", "Bob has 2 coins .", "", "4", 2)]
+    with _ChatEndpoint(lambda body: (503, "overloaded")) as down:
+        got = TeacherHints(down.url).get(reqs, HintContext(generate=ScriptedModel([]), retries=1))
+    assert [r.failed for r in got] == [True, True] and not any(r.leaked for r in got)
+    assert len(down.bodies) == 2 * 2 * 3  # 2 hints x (1 + 1 resample) x 3 tries each
+    assert "no answer after 3 tries (HTTP 503)" in caplog.text
+    with _ChatEndpoint(lambda body: (400, "model 'default' does not exist")) as wrong, pytest.raises(
+            TeacherError, match=r"HTTP 400: .*model 'default' does not exist.*set teacher_model"):
+        TeacherHints(wrong.url).get(reqs, HintContext(generate=ScriptedModel([])))
+    assert len(wrong.bodies) <= len(reqs)  # not retried
