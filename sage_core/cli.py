@@ -317,6 +317,68 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hints(args: argparse.Namespace) -> int:
+    """Write a teacher's hints for every training prompt of a spec to a hints file (prompt_id, level, hint), to train
+    with later (`--set hint_source=teacher --set teacher=FILE.jsonl`). The hints go to FILE.partial.jsonl chunk by
+    chunk; a run that stops keeps them and the next run asks only for the rest; the finished file is renamed to
+    FILE.jsonl."""
+    spec = build_spec(args.preset, args.spec, args.set)
+    teacher = args.teacher or spec.teacher
+    if not teacher:
+        raise SpecError("--teacher (or the spec's teacher): a local model path or an OpenAI-compatible URL "
+                        "(http[s]://host/v1)")
+    if teacher.endswith((".jsonl", ".json", ".parquet")):
+        raise SpecError(f"--teacher {teacher}: already a hints file; give the model that writes them")
+    try:
+        levels = sorted({int(x) for x in args.levels.split(",")})
+    except ValueError:
+        levels = []
+    if not levels or any(lv not in (1, 2, 3) for lv in levels):
+        raise SpecError(f"--levels {args.levels!r}: a comma-separated list of hint levels 1, 2, 3")
+    out = Path(args.out)
+    partial = out.with_name(out.stem + ".partial.jsonl")
+    if out.exists() and not args.force:
+        raise SpecError(f"--out {out}: exists; give another path, or --force to write it again")
+    if out.suffix.lower() != ".jsonl":
+        raise SpecError(f"--out {out}: a hints file is written as JSON lines: name it .jsonl")
+    if args.chunk < 1:
+        raise SpecError(f"--chunk {args.chunk}: at least 1")
+    from .data import build_dataset
+    from .hints import HintContext, HintRequest, TeacherHints, read_hints, write_hints
+
+    rows = build_dataset(spec)
+    done = read_hints(partial) if partial.exists() else {}
+    if done:
+        print(f"resuming: {len(done)} hints already in {partial}")
+    reqs = [HintRequest(r["prompt_id"], r["problem"], r["solution"], r["answer"], lvl)
+            for r in rows for lvl in levels if (r["prompt_id"], lvl) not in done]
+    source = TeacherHints(teacher, args.teacher_model or spec.teacher_model, spec.hint_max_tokens)
+
+    def no_policy(*_):
+        raise AssertionError("the teacher writes every hint")
+
+    ctx = HintContext(generate=no_policy, retries=spec.hint_retries, temperature=spec.hint_temperature)
+    counts = {lv: {"written": sum(k[1] == lv for k in done), "leaked": 0, "failed": 0} for lv in levels}
+    for start in range(0, len(reqs), args.chunk):
+        chunk = reqs[start:start + args.chunk]
+        results = source.get(chunk, ctx)
+        new = [(q.prompt_id, q.level, r.text) for q, r in zip(chunk, results, strict=True) if r.text is not None]
+        done.update({(pid, lv): text for pid, lv, text in new})
+        write_hints(partial, [(pid, lv, text) for (pid, lv), text in done.items()])
+        for q, r in zip(chunk, results, strict=True):
+            c = counts[q.level]
+            c["written" if r.text is not None else "leaked" if r.leaked else "failed"] += 1
+        print(f"hints: {min(start + args.chunk, len(reqs))}/{len(reqs)} asked, {len(done)} in {partial}", flush=True)
+    partial.replace(out)
+    print(f"{'level':>5} {'written':>8} {'leaked':>7} {'failed':>7}")
+    for lv in levels:
+        c = counts[lv]
+        print(f"{lv:>5} {c['written']:>8} {c['leaked']:>7} {c['failed']:>7}")
+    print(f"wrote {len(done)} hints for {len(rows)} prompts to {out}; train with --set hint_source=teacher "
+          f"--set teacher={out}")
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from .presets import PRESETS, preset
 
@@ -420,6 +482,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="nucleus p (spec eval_top_p)")
     p.add_argument("--output", help="write the table to this .parquet or .json file")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("hints", help="write a teacher's hints for a spec's training prompts to a hints file",
+                       description=cmd_hints.__doc__)
+    _add_spec_args(p, preset_default="tiny-cpu")
+    p.add_argument("--teacher", help="a local model path or an OpenAI-compatible URL (default: the spec's teacher)")
+    p.add_argument("--teacher-model", help="the served model's name, for a URL (default: the spec's teacher_model)")
+    p.add_argument("--levels", default="1,2,3", help="hint levels to write (default 1,2,3)")
+    p.add_argument("--out", required=True, help="the hints file to write (.jsonl)")
+    p.add_argument("--chunk", type=int, default=256, help="requests between two saves of FILE.partial.jsonl")
+    p.add_argument("--force", action="store_true", help="write --out again where it exists")
+    p.set_defaults(func=cmd_hints)
 
     p = sub.add_parser("presets", help="list the named presets")
     p.set_defaults(func=cmd_presets)

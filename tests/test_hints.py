@@ -307,3 +307,47 @@ def test_endpoint_teacher_that_stays_down_fails_the_hints_and_one_that_refuses_s
             TeacherError, match=r"HTTP 400: .*model 'default' does not exist.*set teacher_model"):
         TeacherHints(wrong.url).get(reqs, HintContext(generate=ScriptedModel([])))
     assert len(wrong.bodies) <= len(reqs)  # not retried
+
+
+def test_sage_hints_writes_a_teachers_hints_file_that_a_stopped_run_resumes(monkeypatch, tmp_path, capsys):
+    """`sage hints` asks the teacher for every training prompt of the spec at each level, saves
+    FILE.partial.jsonl chunk by chunk (a run stopped by an error keeps what it wrote, and the next run asks only for
+    the rest), and leaves a hints file keyed by the prompt ids training uses; leaking replies are not written."""
+    from sage_core import cli
+    from sage_core.data import build_dataset
+    from sage_core.presets import preset
+
+    _fast_retries(monkeypatch)
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    refuse_after = [6]
+
+    def answer(body):
+        if len(teacher.bodies) > refuse_after[0]:
+            return 400, "quota exhausted"
+        problem = body["messages"][-1]["content"]
+        return 200, "the answer is " + problem.split("Solution: ")[1].split("\\boxed{")[-1].split("}")[0] \
+            if "level 3 hint" in problem else "Work from left to right ."
+
+    out = tmp_path / "teacher.jsonl"
+    args = ["hints", "--set", "num_prompts=4", "--set", "prompts_per_step=4", "--out", str(out), "--chunk", "4"]
+    with _ChatEndpoint(answer) as teacher:
+        assert cli.main([*args, "--teacher", teacher.url]) == 2  # the teacher refuses after 6 requests
+        err = capsys.readouterr().err
+        assert "sage hints: teacher endpoint" in err and "quota exhausted" in err
+        partial = read_hints(tmp_path / "teacher.partial.jsonl")
+        # the first chunk (syn-0-0 at levels 1-3, syn-0-1 at 1) was saved, less its leaked level-3 hint
+        assert len(partial) == 3 and ("syn-0-0", 3) not in partial and not out.exists()
+        refuse_after[0] = 10**6
+        asked = len(teacher.bodies)
+        assert cli.main([*args, "--teacher", teacher.url]) == 0
+        shown = capsys.readouterr().out
+        assert "resuming: 3 hints already" in shown
+        assert len(teacher.bodies) - asked == 12 - 3 + 4 * 2  # the rest; each leaked level-3 hint resampled twice
+    hints = read_hints(out)
+    ids = [r["prompt_id"] for r in build_dataset(preset("tiny-cpu", num_prompts=4, prompts_per_step=4))]
+    assert set(hints) == {(pid, lvl) for pid in ids for lvl in (1, 2)}  # level 3 leaked every time: not written
+    assert set(hints.values()) == {"Work from left to right ."}
+    assert not (tmp_path / "teacher.partial.jsonl").exists()
+    assert "    3        0       4       0" in shown
+    assert cli.main([*args, "--teacher", "http://127.0.0.1:9/v1"]) == 2  # the file is there: not written over
+    assert "exists; give another path, or --force" in capsys.readouterr().err
