@@ -344,7 +344,8 @@ def test_a_dataset_of_several_configs_is_named_with_its_config(tmp_path):
     folder = tmp_path / "gsm8k"
     for config, rationale in (("main", "2 + 2 = <<2+2=4>>4"), ("socratic", "How many? ** 2 + 2 = <<2+2=4>>4")):
         (folder / config).mkdir(parents=True)
-        (folder / config / "train.jsonl").write_text(json.dumps({"question": "2 + 2?", "answer": rationale + "\n#### 4"}))
+        row = {"question": "2 + 2?", "answer": rationale + "\n#### 4"}
+        (folder / config / "train.jsonl").write_text(json.dumps(row))
     (folder / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: "
                                       "main/train.jsonl\n- config_name: socratic\n  data_files:\n  - split: train\n"
                                       "    path: socratic/train.jsonl\n---\n")
