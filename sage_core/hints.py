@@ -65,7 +65,10 @@ class HintContext:
 
 # ----------------------------------------------------------------------------------------------- leak guard
 def _norm(s: str) -> str:
-    return re.sub(r"\s+|\$", "", s).rstrip(".")
+    """Spacing and typesetting that does not change a LaTeX expression removed (spaces, $, \\left/\\right, thin
+    spaces), \\dfrac and \\tfrac written \\frac: the form a non-numeric answer is compared in."""
+    s = re.sub(r"\s+|\$|\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:!]", "", s)
+    return re.sub(r"\\[dt]frac", r"\\frac", s).rstrip(".")
 
 
 # A number in a hint or an answer: \frac{a}{b} (also \dfrac, \tfrac), a/b written without spaces, 1,234 with thousands

@@ -41,6 +41,11 @@ def req(pid="p1", level=3, answer="9"):
     ("12-3 first", "9", False),
     ("12-3 first", "-3", False),
     ("the fraction \\frac{3}{5}", "0.5", False),
+    # any other answer as a substring, in the same typesetting: \dfrac is \frac, \left( is (, thin spaces go
+    ("the angle is \\frac{\\pi}{4} here", "\\dfrac{\\pi}{4}", True),
+    ("the point \\left(1, 2\\right)", "(1,2)", True),
+    ("use 2 \\, \\sqrt{3}", "2\\sqrt{3}", True),
+    ("the angle \\tfrac{\\pi}{2}", "\\frac{\\pi}{3}", False),
 ])
 def test_leak_guard(hint, answer, leak):
     assert leaks(hint, answer) is leak
