@@ -308,6 +308,7 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
         what = "the local dataset folder" if path.is_dir() else "no such local file or folder; as a Hugging Face dataset"
         hint = (" (a data set of several configurations is named NAME:CONFIG, e.g. openai/gsm8k:main)"
                 if config is None and "config" in str(e).lower() else "")
+        # datasets says "Unknown split" in a plain ValueError: the words are all there is to tell it by
         error = MissingSplit if "unknown split" in str(e).lower() else DataError
         raise error(f"{source}: {what}, split {split!r} does not load ({e.__class__.__name__}: {e}){hint}") from e
     return [dict(r) for r in ds], (str(path.resolve()) + (f":{config}" if config else "") if path.is_dir() else source)
