@@ -361,13 +361,11 @@ def cmd_hints(args: argparse.Namespace) -> int:
     counts = {lv: {"written": sum(k[1] == lv for k in done), "leaked": 0, "failed": 0} for lv in levels}
     for start in range(0, len(reqs), args.chunk):
         chunk = reqs[start:start + args.chunk]
-        results = source.get(chunk, ctx)
-        new = [(q.prompt_id, q.level, r.text) for q, r in zip(chunk, results, strict=True) if r.text is not None]
-        done.update({(pid, lv): text for pid, lv, text in new})
+        for q, r in zip(chunk, source.get(chunk, ctx), strict=True):
+            if r.text is not None:
+                done[(q.prompt_id, q.level)] = r.text
+            counts[q.level]["written" if r.text is not None else "leaked" if r.leaked else "failed"] += 1
         write_hints(partial, [(pid, lv, text) for (pid, lv), text in done.items()])
-        for q, r in zip(chunk, results, strict=True):
-            c = counts[q.level]
-            c["written" if r.text is not None else "leaked" if r.leaked else "failed"] += 1
         print(f"hints: {min(start + args.chunk, len(reqs))}/{len(reqs)} asked, {len(done)} in {partial}", flush=True)
     partial.replace(out)
     print(f"{'level':>5} {'written':>8} {'leaked':>7} {'failed':>7}")

@@ -71,7 +71,7 @@ def prefect_server(tmp_path_factory):
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     env.update(PREFECT_HOME=str(root / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    proc = subprocess.Popen([str(os.path.join(os.path.dirname(sys.executable), "prefect")), "server", "start",
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "prefect"), "server", "start",
                              "--host", "127.0.0.1", "--port", str(port), "--analytics-off"], env=env,
                             start_new_session=True, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
