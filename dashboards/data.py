@@ -171,7 +171,10 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
             "artifact_uri": r.info.artifact_uri, "num_generations": int(ng) if ng and str(ng).isdigit() else None,
             "params": dict(p), "metrics": dict(r.data.metrics),
         })
-    return pd.DataFrame(rows, columns=RUN_COLUMNS)
+    df = pd.DataFrame(rows, columns=RUN_COLUMNS)
+    for col in ("start_time", "end_time"):  # a column of NaT only (every run still running) is tz-aware too
+        df[col] = pd.to_datetime(df[col], utc=True)
+    return df
 
 
 def _history(uri: str, run_id: str, keys: tuple[str, ...]) -> pd.DataFrame:

@@ -2,7 +2,7 @@
 
     prefect deployment run sage-eval/default --param model=/path/to/checkpoint --watch
     prefect deployment run sage-eval/default --param model=runs:/<mlflow run id> \
-        --params '{"benchmarks": {"math500": "benchmarks/math500.jsonl"}}' --watch
+        --params '{"benchmarks": {"math500": "/data/math500.jsonl"}}' --watch
 
 `model` is anything `sage_core.evaluate.evaluate` loads ('tiny', a local folder, an HF id) or `runs:/<run_id>`
 (the `checkpoint/` artifacts of an MLflow training run). Results go to a new MLflow run (kind eval) or, with
@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -36,6 +37,22 @@ def resolve_model(model: str) -> tuple[str, str | None]:
         dst.mkdir(parents=True, exist_ok=True)
         tracking.client().download_artifacts(run_id, "checkpoint", str(dst))
     return str(ckpt), run_id
+
+
+def base_model(model: str, ref: str, source_run: str | None) -> str:
+    """The model a checkpoint was trained from, which decides the prompts' format (the tiny model is trained
+    without a system turn, real ones with the paper's system prompt): a run's `sage.model` param, the `spec.json`
+    that `sage train` writes beside `final/` and `checkpoint-N/`, else `model` itself."""
+    if source_run is not None:
+        return tracking.client().get_run(source_run).data.params.get("sage.model") or model
+    folder = Path(ref).expanduser()
+    for spec_file in (folder / "spec.json", folder.parent / "spec.json"):
+        if folder.is_dir() and spec_file.is_file():
+            try:
+                return json.loads(spec_file.read_text()).get("model") or model
+            except (OSError, ValueError, AttributeError):
+                break  # not a training run's spec: the model as given
+    return model
 
 
 @flow(name="sage-eval", flow_run_name="eval-{model}")
@@ -65,7 +82,8 @@ def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, pre
     overrides = {"eval_k": k, "eval_temperature": temperature, "eval_top_p": top_p,
                  "max_completion_length": max_new_tokens, "use_vllm": use_vllm}
     spec = resolve_spec(preset, {"model": model}, overrides)
-    benches = resolve_benchmarks(spec, benchmarks)
+    # rows formatted as in training: a checkpoint of the tiny model gets no system turn
+    benches = resolve_benchmarks(spec.model_copy(update={"model": base_model(model, ref, source_run)}), benchmarks)
     logger.info("sage-eval %s on %s (k=%d, T=%.2f, top_p=%.2f)", model, sorted(benches), spec.eval_k,
                 spec.eval_temperature, spec.eval_top_p)
     rows = run_eval(ref, benches, spec, label=slug(Path(model).name or model), cache=False)

@@ -125,6 +125,22 @@ def test_empty_store_says_there_are_no_runs(monkeypatch, tmp_path):
     assert at.info and "has no runs yet" in at.info[0].value
 
 
+def test_runs_page_while_every_run_is_still_running(monkeypatch, tmp_path):
+    """The first minutes of `make demo`: a study run and its first child, both RUNNING, nothing logged yet."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = MlflowClient(uri)
+    exp = c.create_experiment("live")
+    study = c.create_run(exp, run_name="study", tags={"sage.kind": "study"})
+    child = c.create_run(exp, run_name="grpo", tags={"sage.kind": "train", "sage.method": "grpo",
+                                                     "mlflow.parentRunId": study.info.run_id})
+    at = _ok(_app(monkeypatch, uri).run())
+    table = _frame(at, "run_id")
+    assert set(table["run_id"]) == {study.info.run_id, child.info.run_id}
+    assert set(table["status"]) == {"RUNNING"} and table["minutes"].isna().all()
+
+
 # ------------------------------------------------------------------------------------------------ a real run
 
 

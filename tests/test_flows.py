@@ -167,6 +167,35 @@ def test_study_seeds_and_key():
     assert study_key(base, "e") != study_key(base, "f")
 
 
+def test_benchmark_rows_take_the_trained_models_format(tmp_path, monkeypatch):
+    """Benchmark files are read into rows formatted as training formats them: no system turn for the tiny model
+    (nor for a checkpoint of it, found by the spec.json beside it or its MLflow run), the paper's for real ones."""
+    import json
+
+    from flows.eval_flow import base_model
+    from sage_core.prompts import SYSTEM_PROMPT
+
+    bench = tmp_path / "b.jsonl"
+    bench.write_text(json.dumps({"problem": "What is 2 + 3?", "answer": "5"}) + "\n")
+    tiny = params.resolve_spec("tiny-cpu")
+    (rows,) = common.resolve_benchmarks(tiny, {"b": str(bench)}).values()
+    assert [m["role"] for m in rows[0]["prompt"]] == ["user"] and rows[0]["answer"] == "5"
+    (rows,) = common.resolve_benchmarks(tiny.model_copy(update={"model": "org/real"}), {"b": str(bench)}).values()
+    assert rows[0]["prompt"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "spec.json").write_text(tiny.model_dump_json())
+    assert base_model(str(out / "final"), str(out / "final"), None) == "tiny"
+    assert base_model(str(tmp_path), str(tmp_path), None) == str(tmp_path)  # no spec.json: the model as given
+    assert base_model("org/real", "org/real", None) == "org/real"
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with tracking.start_run(tiny, "train", "t-base") as run:
+        pass
+    assert base_model(f"runs:/{run.info.run_id}", "/downloads/checkpoint", run.info.run_id) == "tiny"
+
+
 def test_slug_and_run_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SAGE_HOME", str(tmp_path))
     assert common.slug("Hint Study/Tiny_CPU") == "hint-study-tiny-cpu"
