@@ -19,13 +19,14 @@ sampling): every variant of a seed trains and is evaluated on that seed's prompt
 are paired by seed. `study/summary.{parquet,csv,md}` (and the table artifact `<experiment>-summary`) gives per
 variant the mean over seeds, the per-seed range of no-hint avg@k after training, and the paired change against GRPO
 of the same seed (mean, min, max). The study run is the same for any list of seeds (the seed is left out of its
-key): a later call trains only the variants and seeds not finished before, and its tables cover every variant and
+key; `match_budget` and `benchmarks` are in it): a later call trains only the variants and seeds not finished before, and its tables cover every variant and
 seed the study holds (what earlier calls finished too; the newest complete run of each), ordered by seed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -69,9 +70,17 @@ SUMMARY_COLUMNS = ["variant", "method", "hint_source", "k", "seeds", "failed", "
                    *SUMMARY_MEANS[1:]]
 
 
-def study_key(base: RunSpec, experiment: str) -> str:
-    """The study run's key: the experiment and the base spec without its seed (a study holds any seeds)."""
-    return hashlib.sha256(f"{experiment}\n{with_seed(base, 0).key()}".encode()).hexdigest()[:16]
+def study_key(base: RunSpec, experiment: str, match_budget: bool = False,
+              benchmarks: dict[str, str] | None = None) -> str:
+    """The study run's key: the experiment, the base spec without its seed (a study holds any seeds), and what else
+    makes its rows comparable (budget matching, the benchmark files): a budget-matched study and one of equal
+    steps are two studies, so neither's table takes in the other's variants."""
+    text = f"{experiment}\n{with_seed(base, 0).key()}"
+    if match_budget:
+        text += "\nmatch_budget"
+    if benchmarks:
+        text += "\n" + json.dumps(sorted(benchmarks.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def study_seeds(seeds: list[int] | None, base: RunSpec, seed_given: bool = False) -> list[int]:
@@ -333,7 +342,7 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None =
         plan += [(name, seed, vspec) for name, vspec in
                  variant_specs(seed_base, methods, teacher, match_budget).items()]
 
-    skey = study_key(base, experiment)
+    skey = study_key(base, experiment, match_budget, benchmarks)
     out = runs_root() / slug(experiment) / f"study-{skey}"
     parent_id, resumed = tracking.resume_or_create_run(
         base, "study", out, experiment, run_name=f"hint-study-{preset or 'custom'}",

@@ -165,6 +165,10 @@ def test_study_seeds_and_key():
     assert study_key(base, "e") == study_key(params.resolve_spec("tiny-cpu"), "e")
     assert study_key(base, "e") != study_key(params.resolve_spec("tiny-cpu", None, {"max_steps": 3}), "e")
     assert study_key(base, "e") != study_key(base, "f")
+    # budget-matched or on other benchmark files: another study (its table must not take in the other's variants)
+    keys = {study_key(base, "e"), study_key(base, "e", match_budget=True), study_key(base, "e", benchmarks={"a": "x"}),
+            study_key(base, "e", benchmarks={"a": "y"})}
+    assert len(keys) == 4 and study_key(base, "e", False, {}) == study_key(base, "e")
 
 
 def test_benchmark_rows_take_the_trained_models_format(tmp_path, monkeypatch):
