@@ -7,10 +7,12 @@ So all of these work against a deployment whose default parameters are just `{"p
     prefect deployment run sage-train/tiny-cpu --params '{"spec": {"max_steps": 2}}'  # partial spec on the preset
 
 Precedence: preset < fields given in `spec` < top-level field parameters (None = not given). Every top-level field
-parameter carries the RunSpec field's type and constraints (Literal values, ge/le, ...), so the server-side
-parameter schema rejects a bad value when the flow run is created, naming the field
-("Validation failed for field 'method' ..."). Cross-field rules (light_min <= light_max, teacher needed) are
-RunSpec validators and are checked when the flow starts.
+parameter, and every field of `spec` (a `SpecPatch`), carries the RunSpec field's type and constraints (Literal
+values, ge/le, ...), so the server-side parameter schema rejects a bad value or an unknown field when the flow run
+is created, naming the field ("Validation failed for field 'method' ..."). Cross-field rules (light_min <=
+light_max, teacher needed, micro_batch_size dividing a step's rows) are RunSpec validators, checked on the merged
+spec when the flow starts: a partial `spec` is not a whole run, so they would judge it against RunSpec's defaults
+instead of the preset's values.
 
 The generated parameters are keyword-only and are appended to the flow function's `__signature__`; the function
 takes them through `**overrides`. The field list follows RunSpec automatically.
@@ -21,6 +23,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from sage_core.presets import PRESETS
 from sage_core.spec import RunSpec
@@ -35,6 +39,22 @@ def _override_annotation(name: str) -> Any:
     if field.metadata:
         ann = Annotated[(ann, *field.metadata)]  # keeps ge/le/gt constraints in the JSON schema
     return Optional[ann]  # noqa: UP007 - runtime construction
+
+
+class _Patch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_spec(cls, value: Any) -> Any:
+        """A RunSpec (or another patch) given in Python: the fields it sets."""
+        return value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+
+
+SpecPatch = create_model(  # every RunSpec field, optional, with its type and constraints; no cross-field rules
+    "SpecPatch", __base__=_Patch, __doc__="Some RunSpec fields, applied on top of the preset.",
+    **{n: (_override_annotation(n), Field(None, description=RunSpec.model_fields[n].description))
+       for n in SPEC_FIELDS})
 
 
 def override_parameters() -> list[inspect.Parameter]:
@@ -83,16 +103,17 @@ def given_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in overrides.items() if v is not None}
 
 
-def resolve_spec(preset: str | None = "tiny-cpu", spec: RunSpec | Mapping[str, Any] | None = None,
+def resolve_spec(preset: str | None = "tiny-cpu", spec: BaseModel | Mapping[str, Any] | None = None,
                  overrides: Mapping[str, Any] | None = None) -> RunSpec:
-    """preset < spec (only the fields it sets) < overrides (the non-None ones), validated as a RunSpec."""
+    """preset < spec (a RunSpec, SpecPatch or dict: only the fields it sets) < overrides (the non-None ones),
+    validated as a RunSpec."""
     values: dict[str, Any] = {}
     if preset:
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
         values.update(PRESETS[preset])
     if spec is not None:
-        if isinstance(spec, RunSpec):
+        if isinstance(spec, BaseModel):
             values.update(spec.model_dump(exclude_unset=True))
         else:
             values.update(dict(spec))

@@ -37,7 +37,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from pydantic import Field, ValidationError
 
 from flows.common import row_from_run, runs_root, slug
-from flows.params import PresetName, resolve_spec, with_spec_overrides
+from flows.params import PresetName, SpecPatch, resolve_spec, with_spec_overrides
 from flows.train_flow import Launcher, sage_train
 from sage_core import tracking
 from sage_core.spec import RunSpec
@@ -304,7 +304,7 @@ def _log_parent_metrics(df: pd.DataFrame, summary: pd.DataFrame, parent_id: str)
         tracking.log_metrics(metrics, step=step, run_id=parent_id)
 
 
-def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None = None,
+def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None = None,
                methods: list[VariantName] = DEFAULT_METHODS, experiment: str | None = None,  # type: ignore[valid-type]
                seeds: list[Annotated[int, Field(ge=0)]] | None = None,
                benchmarks: dict[str, str] | None = None, force: bool = False, match_budget: bool = False,

@@ -18,7 +18,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from pydantic import ValidationError
 
 from flows.common import code_version, resolve_benchmarks, row_from_run, run_dir, run_eval, train_task
-from flows.params import PresetName, resolve_spec, with_spec_overrides
+from flows.params import PresetName, SpecPatch, resolve_spec, with_spec_overrides
 from sage_core import tracking
 from sage_core.spec import RunSpec
 
@@ -104,7 +104,7 @@ def _report(row: dict[str, Any], label: str) -> None:
         pass
 
 
-def sage_train(*, preset: PresetName | None = "tiny-cpu", spec: RunSpec | None = None, experiment: str = "sage",
+def sage_train(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None = None, experiment: str = "sage",
                run_name: str | None = None, benchmarks: dict[str, str] | None = None,
                evaluate_before: bool = True, evaluate_after: bool = True, force: bool = False,
                launcher: Launcher = "auto", parent_run_id: str | None = None, variant: str | None = None,

@@ -62,6 +62,14 @@ def test_bad_parameters_are_rejected_naming_the_field():
             sage_train.validate_parameters(bad)
     with pytest.raises(ParameterTypeError, match="methods"):
         hint_study.validate_parameters({"methods": ["grpo", "sage-magic"]})
+    # a partial spec is judged by the run it makes (preset + spec + fields), not by RunSpec's defaults
+    for ps in ({"preset": "qwen2.5-7b", "spec": {"micro_batch_size": 128}},
+               {"spec": {"hint_source": "teacher"}, "teacher": "hints.jsonl"}):
+        got = sage_train.validate_parameters(ps)
+        assert params.resolve_spec(got.get("preset", "tiny-cpu"), got["spec"],
+                                   {k: v for k, v in got.items() if k in params.SPEC_FIELDS})
+    ok = hint_study.validate_parameters({"spec": RunSpec(method="grpo", max_steps=3)})
+    assert ok["spec"].model_fields_set == {"method", "max_steps"}
 
 
 def test_variant_specs(tmp_path):
