@@ -27,10 +27,11 @@ services-status:
 serve:
 	$(SERVICES) serve
 
+# the report card also when a variant failed (the study's table has the others), then the run's exit code
 demo: install
 	$(SERVICES) up
-	$(SERVICES) run $(DEMO_DEPLOYMENT) $(DEMO_ARGS)
-	$(SERVICES) report --experiment hint-study-$(notdir $(DEMO_DEPLOYMENT))
+	rc=0; $(SERVICES) run $(DEMO_DEPLOYMENT) $(DEMO_ARGS) || rc=$$?; \
+	$(SERVICES) report --experiment hint-study-$(notdir $(DEMO_DEPLOYMENT)); exit $$rc
 
 dashboard:
 	SAGE_HOME="$(SAGE_HOME)" $(BIN)/streamlit run dashboards/app.py --server.headless true \

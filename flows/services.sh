@@ -2,7 +2,8 @@
 # Local services of SAGE Studio: a real Prefect server, the MLflow UI, and the process serving the deployments.
 #
 #   flows/services.sh up        start all three in the background (pid files + logs in $SAGE_HOME/run), wait for health;
-#                               with a Docker engine present, `docker compose -f docker/compose.yaml up -d` instead
+#                               with SAGE_SERVICES=compose, `docker compose -f docker/compose.yaml up -d` instead
+#                               (its Postgres-backed servers and a GPU worker)
 #   flows/services.sh down      stop what `up` started (by pid file, process group), nothing else
 #   flows/services.sh status    what is running
 #   flows/services.sh env       export lines for your shell:  eval "$(flows/services.sh env)"
@@ -98,11 +99,14 @@ stop() {  # stop NAME: TERM the process group, then KILL after 20 s
   rm -f "$f"
 }
 
-use_compose() {  # SAGE_SERVICES=auto|local|compose: compose when a Docker engine answers (auto), else local
-  case "${SAGE_SERVICES:-auto}" in
+use_compose() {  # SAGE_SERVICES=local|compose (default local: the compose worker reserves an NVIDIA GPU, and the
+  # demo's sqlite store and local Prefect need no Docker)
+  case "${SAGE_SERVICES:-local}" in
     local) return 1 ;;
-    compose) return 0 ;;
-    *) command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1 && docker compose version >/dev/null 2>&1 ;;
+    compose)
+      command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1 && docker compose version >/dev/null 2>&1 \
+        || { say "SAGE_SERVICES=compose needs a running Docker engine with the compose plugin"; exit 1; } ;;
+    *) say "SAGE_SERVICES=${SAGE_SERVICES}: use local or compose"; exit 2 ;;
   esac
 }
 
@@ -111,7 +115,7 @@ COMPOSE=(docker compose -f "$ROOT/docker/compose.yaml")
 cmd_up() {
   mkdir -p "$RUN" "$PREFECT_HOME" "$SAGE_HOME/mlartifacts"
   if use_compose; then
-    say "Docker engine found: starting the compose stack (SAGE_SERVICES=local to use local processes)"
+    say "SAGE_SERVICES=compose: starting the compose stack"
     "${COMPOSE[@]}" up -d --wait
     touch "$RUN/compose"
     say "Prefect UI http://127.0.0.1:4200   MLflow UI http://127.0.0.1:5000   dashboard http://127.0.0.1:8501"
@@ -166,7 +170,10 @@ case "${1:-}" in
   status) cmd_status ;;
   env) cmd_env ;;
   run) shift; cmd_run "$@" ;;
-  report) shift; cd "$ROOT" && exec "$BIN/python" -m flows.report "$@" ;;
+  report) shift
+    # the compose stack's runs are in its MLflow server, not in the local sqlite store
+    if [[ -f "$RUN/compose" ]]; then export MLFLOW_TRACKING_URI="http://127.0.0.1:5000"; fi
+    cd "$ROOT" && exec "$BIN/python" -m flows.report "$@" ;;
   serve) shift; cd "$ROOT" && exec "$BIN/python" -m flows.serve "$@" ;;
   mlflow-ui) cd "$ROOT" && exec env MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false "$BIN/mlflow" server \
       --backend-store-uri "$MLFLOW_BACKEND_URI" --artifacts-destination "$SAGE_HOME/mlartifacts" \
