@@ -417,9 +417,7 @@ class AdaEst(_Pooled):
     def next_action(self, pid: str, tries: Tries) -> Action | None:
         level, G = tries[0][0], len(tries[0][1])
         if pid not in self._alloc:  # the trainer asks every round, also after a None: allocate once per step
-            k1 = _k(tries[0][1])
-            self._alloc[pid] = self.rounds_for(k1, G)  # c from earlier steps' pilots: n depends on k1 alone
-            self.history.append(smoothed_pass_rate(k1, G))
+            self._alloc[pid] = self.rounds_for(_k(tries[0][1]), G)  # c from earlier steps' pilots: n from k1 alone
         if len(tries) >= min(self._alloc[pid], self.max_rounds):
             return None
         return Action(level, "extend")
@@ -432,6 +430,13 @@ class AdaEst(_Pooled):
         self._alloc.pop(pid, None)
         self._c_step = None  # the step is over: the next one refits c on the pilots seen so far
         return super().finalize(pid, tries)
+
+    def observe(self, pid: str, level: int, rewards: list[float], pilot: list[float] | None = None) -> None:
+        """The pilot joins the history c is fitted on. Every process observes every group of the step, in one order
+        (and a resumed run replays them from the tracker's pilot rewards), so c is the same on all of them; a
+        process's own next_action calls see only its own groups."""
+        if pilot:
+            self.history.append(smoothed_pass_rate(_k(pilot), len(pilot)))
 
     def state(self) -> dict:
         return {"history": list(self.history)}

@@ -76,7 +76,7 @@ def trainer_step(sched, pids, sample, G=G, max_extra=4, fresh=None) -> dict[str,
         if "new_prompt" in modes[pid]:
             assert {t for t, _ in sel.picks} == {len(ts) - 1}, "after a swap only the new prompt's try is trained"
         rewards = [ts[t][1][j] for t, j in sel.picks]
-        sched.observe(current[pid], ts[sel.picks[0][0]][0], rewards)
+        sched.observe(current[pid], ts[sel.picks[0][0]][0], rewards, list(ts[0][1]))  # pilot: the first try
         out[pid] = Rec(sel, rewards, [pay[pid][t][j] for t, j in sel.picks], ts, G * len(ts), current[pid],
                        modes[pid])
     return out
@@ -279,6 +279,23 @@ def test_ada_seq_budget_stop_rule_and_balanced_picks():
         if not kw:  # log objective: all-one pilots are not re-sampled, all-zero ones are, up to the cap
             assert len(recs["q40"].tries) == 1 and len(recs["q0"].tries) == 3
     assert AdaSeq(objective="linear")._extends(False, G) is False  # linear: h(0) = 0, re-sampling buys nothing
+
+
+def test_ada_est_pilots_are_observed_so_every_process_and_a_resume_fit_the_same_c():
+    """c is fitted on the pilots the trainer hands to observe (every group, on every process, replayed from the
+    tracker on resume), not on the groups one process asked next_action about."""
+    rng = np.random.default_rng(2)
+    rate = {f"q{i}": p for i, p in enumerate(rng.uniform(0.02, 0.98, 64))}
+    live = AdaEst(max_rounds=4, avg_rounds=2.0)
+    recs = {}
+    for half in (list(rate)[:32], list(rate)[32:]):  # two steps
+        recs.update(trainer_step(live, half, bernoulli(lambda x, _l: rate[x], rng)))
+    replayed = AdaEst(max_rounds=4, avg_rounds=2.0)  # another process, or the same run resumed from its tracker
+    for r in recs.values():
+        replayed.observe(r.prompt, r.tries[r.sel.picks[0][0]][0], r.rewards, r.tries[0][1])
+    assert len(live.history) == 64 and list(replayed.history) == list(live.history)
+    assert replayed._fit_c() == live._fit_c()
+    assert [replayed.rounds_for(k, G) for k in range(G + 1)] == [live.rounds_for(k, G) for k in range(G + 1)]
 
 
 def test_ada_est_matches_average_budget_and_never_stops_sequentially():
