@@ -64,16 +64,20 @@ class HintContext:
 
 
 # ----------------------------------------------------------------------------------------------- leak guard
-def _norm(s: str) -> str:
-    """Spacing and typesetting that does not change a LaTeX expression removed (spaces, $, \\left/\\right, thin
-    spaces), \\dfrac and \\tfrac written \\frac: the form a non-numeric answer is compared in."""
-    s = re.sub(r"\s+|\$|\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:!]", "", s)
-    return re.sub(r"\\[dt]frac", r"\\frac", s).rstrip(".")
+def _clean(s: str) -> str:
+    """Typesetting that does not change a LaTeX expression removed ($, \\left/\\right, thin spaces), \\dfrac and
+    \\tfrac written \\frac, whitespace collapsed: the form answers and hints are compared in."""
+    s = re.sub(r"\$|\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:!]", "", s)
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    return re.sub(r"\s+", " ", s).strip().rstrip(".")
+
+
+_TEXT = r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"  # \text{cm}: words inside maths
 
 
 # A number in a hint or an answer: \frac{a}{b} (also \dfrac, \tfrac), a/b written without spaces, 1,234 with thousands
 # separators, or a plain integer or decimal; a sign only where it cannot be a subtraction ("12-3" is 12 and 3).
-_NUMBER = re.compile(r"(-?)\\[dt]?frac\{\s*(\d+)\s*\}\{\s*(\d+)\s*\}"
+_NUMBER = re.compile(r"(-?)\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(\d+)\s*\}"
                      r"|(?<![\w.,/])(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)(?![\w.,/])"
                      r"|(?<![\w.,])(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?)(?!\d)"
                      r"|(?<![\w.])(-?\d+(?:\.\d+)?)")
@@ -105,26 +109,43 @@ def _values(text: str) -> set[Fraction]:
 
 
 def _answer_value(answer: str) -> Fraction | None:
-    """The answer's value where the whole answer is one number (17, 9.0, 0.5, 1,234, 3/4, -\\frac{3}{4}; also with
-    LaTeX thin spaces, a percent sign, a degree sign or an escaped dollar sign), else None."""
-    m = _NUMBER.fullmatch(re.sub(r"\\[,!]|\\?%|\^\{?\\circ\}?|\\(?=[\d-])", "", answer))
+    """The answer's value where the answer is one number (17, 9.0, 0.5, 1,234, 3/4, -\\frac{3}{4}, \\frac{-3}{4};
+    also with LaTeX thin spaces, a percent sign, a degree sign, an escaped dollar sign, a unit after it as in
+    5\\text{ cm}, inside \\text{}, or after a variable as in x = 3), else None."""
+    a = re.sub(r"\s", "", _clean(answer))
+    a = re.sub(r"^[a-zA-Z](?:_\{?\w+\}?)?=", "", a)  # x=3, x_1=3
+    a = re.sub(r"(?<=[\d}])" + _TEXT + r"(?:\^\{?\d\}?)?$", "", a)  # a unit: 5\text{cm}, 3\mathrm{m}^2
+    a = re.sub("^" + _TEXT + "$", r"\1", a)  # \text{5}
+    m = _NUMBER.fullmatch(re.sub(r"\\?%|\^\{?\\circ\}?|\\(?=[\d-])", "", a))
     return _value(m) if m is not None else None
+
+
+def _mentions(text: str, answer: str) -> bool:
+    """`answer` (no spaces) occurs in `text` (spaces anywhere in it allowed), as a token of its own where it starts or
+    ends with a letter or digit: answer C is in "option C", not in "Case"; x^2+1 not in x^2+10."""
+    pattern = r"\s*".join(map(re.escape, answer))
+    if answer[0].isalnum():
+        pattern = r"(?<![A-Za-z0-9])" + pattern
+    if answer[-1].isalnum():
+        pattern += r"(?![A-Za-z0-9])"
+    return re.search(pattern, text) is not None
 
 
 def leaks(hint: str, answer: str) -> bool:
     """True when the hint reveals the final answer: it contains a \\boxed{} answer, or the gold answer itself. A
     numeric answer is matched by value in any form a number is written in (9 and 9.0; 0.5, 1/2 and \\frac{1}{2}; 1234
-    and 1,234) as a standalone number: "19" does not reveal 9, and "12 - 3" is a step, not the answer. Any other
-    answer is matched as a substring once spaces and $ are removed."""
+    and 1,234; 5\\text{ cm} as 5) as a standalone number: "19" does not reveal 9, and "12 - 3" is a step, not the
+    answer. Any other answer is matched as text in one typesetting (spaces, $ and \\text{} wrappers dropped), as a
+    token of its own where it starts or ends with a letter or digit."""
     if "\\boxed" in hint:
         return True
-    ans = _norm(str(answer))
-    if not ans:
-        return False
-    value = _answer_value(ans)
+    answer = str(answer)
+    value = _answer_value(answer)
     if value is not None:
         return value in _values(hint)
-    return ans in _norm(hint)
+    ans = re.sub(r"\s", "", re.sub(_TEXT, r"\1", _clean(answer)))
+    ans = re.sub(r"^\((\w)\)$", r"\1", ans)  # a choice: (C) is also written C
+    return bool(ans) and _mentions(re.sub(_TEXT, r"\1", _clean(hint)), ans)
 
 
 def clean_hint(text: str) -> str:

@@ -46,6 +46,22 @@ def req(pid="p1", level=3, answer="9"):
     ("the point \\left(1, 2\\right)", "(1,2)", True),
     ("use 2 \\, \\sqrt{3}", "2\\sqrt{3}", True),
     ("the angle \\tfrac{\\pi}{2}", "\\frac{\\pi}{3}", False),
+    # numeric answers with a unit, in \text{}, after a variable, or with the sign in the numerator
+    ("The side is 5 cm long.", "5\\text{ cm}", True),
+    ("so the answer is 12 inches", "12 \\text{ inches}", True),
+    ("an area of 3 square meters", "3\\mathrm{m}^2", True),
+    ("x is 5", "\\text{5}", True),
+    ("so x is 3", "x=3", True),
+    ("then -3/4 of it", "\\frac{-3}{4}", True),
+    ("The side is 15 cm long.", "5\\text{ cm}", False),
+    # other answers as a token of their own: a letter answer is not in every word that holds the letter
+    ("Case 2 needs care", "C", False),
+    ("so option C is right", "\\text{(C)}", True),
+    ("so it is (C)", "\\textbf{(C)}", True),
+    ("it grows as x^2 + 10", "x^2+1", False),
+    ("it is x^2 + 1 here", "x^2+1", True),
+    ("head east ward", "east", True),
+    ("the eastern side", "east", False),
 ])
 def test_leak_guard(hint, answer, leak):
     assert leaks(hint, answer) is leak
