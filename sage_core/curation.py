@@ -272,6 +272,7 @@ class DapoFilter(_Curation):
     a mixed group or `max_rounds` tries; the last try is trained (weighted by `weighting`, if any)."""
 
     name = "dapo-filter"
+    swaps_prompts = True  # asks for 'new_prompt': the trainer gathers the batch's prompt ids every step
 
     def next_action(self, pid: str, tries: Tries) -> Action | None:
         rewards = tries[-1][1]

@@ -23,7 +23,7 @@ COLUMNS = [
     "step", "prompt_id", "problem", "answer", "difficulty", "base_pass_rate", "base_state", "level",
     "max_level_tried", "pass_rate", "rescued", "hint", "hint_l1", "hint_l2", "hint_l3", "acc_l1", "acc_l2",
     "acc_l3", "leak_l1", "leak_l2", "leak_l3", "hint_failed", "rollouts", "completions", "rewards", "pilot_rewards",
-    "method",
+    "method", "origin_id", "trained",
 ]
 
 

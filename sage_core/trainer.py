@@ -133,6 +133,7 @@ class SageGRPOTrainer(GRPOTrainer):
         self._hints_prepared = False
         self._pool = None  # fresh prompts for methods that swap a collapsed group for a new prompt
         self._pool_pos = 0  # draws made from it (a resumed run starts from its checkpoint's, see restore_state)
+        self._batch_ids: set[str] = set()  # the step's prompt ids on every process (methods that swap prompts)
         self._no_grad_rows: torch.Tensor | None = None  # rows of the current loss forward that carry no gradient
         self._ctx_limit: int | None | bool = False  # vLLM's context in tokens (None: unknown); False: not read yet
 
@@ -262,6 +263,9 @@ class SageGRPOTrainer(GRPOTrainer):
         self._passes = defaultdict(int)  # sequential generate calls this step, by kind (reroll, hint)
         self._context_limit()  # read once, on every process together, before any hint request is measured
         groups = _groups_by_prompt_id(rows, G)
+        self._batch_ids: set[str] = set()
+        if getattr(self.scheduler, "swaps_prompts", False):  # the same on every process: a collective for all
+            self._batch_ids = {pid for ids in gather_object([[pid for pid, _ in groups]]) for pid in ids}
         if not self._hints_prepared:
             self._prepare_hints()
 
@@ -282,7 +286,8 @@ class SageGRPOTrainer(GRPOTrainer):
         rpf = self._score(rows, first_prompts, completions, completion_ids)
         tries: dict[str, list[Try]] = {}
         for pid, idx in groups:
-            tries[pid] = [self._make_try(levels[pid], first_hint[pid], [rows[i] for i in idx],
+            # the try keeps copies: _finalize writes a swapped-in prompt into the batch's own row dicts
+            tries[pid] = [self._make_try(levels[pid], first_hint[pid], [dict(rows[i]) for i in idx],
                                          [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
                                          [completions[i] for i in idx],
                                          [logprobs[i] for i in idx] if logprobs is not None else None, rpf[idx])]
@@ -352,7 +357,8 @@ class SageGRPOTrainer(GRPOTrainer):
         scheduler, seeing the tries before it, asks for it (the search is the sequential one; unasked rows count
         as spent, not trained)."""
         G, n_funcs = self.num_generations, len(self.reward_funcs)
-        fresh, taken = {}, {t.rows[0]["prompt_id"] for ts in tries.values() for t in ts}
+        # not a prompt of this step on any process (the batch's ids, gathered at the step's start)
+        fresh, taken = {}, {t.rows[0]["prompt_id"] for ts in tries.values() for t in ts} | self._batch_ids
         for pid, chain in list(chains.items()):
             if chain[0].mode == "new_prompt":
                 row = self._draw_prompt(taken)
@@ -415,8 +421,10 @@ class SageGRPOTrainer(GRPOTrainer):
                     rows[slot].clear()
                     rows[slot].update(t.rows[ri])
             self._selections[pid] = sel
-            observed.append((rows[idx[0]]["prompt_id"], ts[sel.picks[0][0]].level,
-                             [ts[ti].rewards[ri] for ti, ri in sel.picks], ts[0].rewards))
+            trained_id = rows[idx[0]]["prompt_id"]  # its pilot: its own first try (a swapped-in prompt's too)
+            pilot = next(t for t in ts if t.rows[0]["prompt_id"] == trained_id).rewards
+            observed.append((trained_id, ts[sel.picks[0][0]].level, [ts[ti].rewards[ri] for ti, ri in sel.picks],
+                             pilot))
         # every process replays every group's outcome, so scheduler state stays identical across processes
         for pid, level, rewards, pilot in gather_object(observed):
             self.scheduler.observe(pid, level, rewards, pilot)
@@ -548,7 +556,8 @@ class SageGRPOTrainer(GRPOTrainer):
         return replace(res, text=text)
 
     def _prepare_hints(self) -> None:
-        """Before the first update: sources that need the initial policy (fixed hints) write their hints now."""
+        """Before the first update: sources that need the initial policy (fixed hints) write their hints now (their
+        time and generate calls count as the first step's hint writing)."""
         self._hints_prepared = True
         if self.scheduler.uses_hints:
             rows = [dict(r) for r in self.train_dataset]
@@ -556,14 +565,19 @@ class SageGRPOTrainer(GRPOTrainer):
                 r.setdefault("problem", _problem_of(r))
             t0 = time.perf_counter()
             self.hint_source.prepare(rows, self._hint_context())
-            self._metrics["train"]["sage/hint_prepare_seconds"].append(time.perf_counter() - t0)
+            spent = time.perf_counter() - t0
+            self._metrics["train"]["sage/hint_prepare_seconds"].append(spent)
+            self._hint_seconds += spent  # hint writing, in the first step's hint time (not its rollout time)
 
     def _draw_prompt(self, taken: set[str]) -> dict | None:
-        """A fresh prompt from the train set that is not in `taken` (methods that resample prompts), or None."""
-        n = len(self.train_dataset)
+        """A fresh prompt from the train set that is not in `taken` (methods that resample prompts), or None. Each
+        process draws from its own share of one permutation (every world-th place), so two processes never swap
+        in the same prompt in one step."""
         if self._pool is None:
-            gen = torch.Generator().manual_seed(self.args.seed + self.accelerator.process_index)
-            self._pool = torch.randperm(n, generator=gen).tolist()
+            gen = torch.Generator().manual_seed(self.args.seed)
+            rank, world = self.accelerator.process_index, self.accelerator.num_processes
+            self._pool = torch.randperm(len(self.train_dataset), generator=gen).tolist()[rank::world]
+        n = len(self._pool)
         for _ in range(n):
             i = self._pool[self._pool_pos % n]
             self._pool_pos += 1
@@ -573,51 +587,71 @@ class SageGRPOTrainer(GRPOTrainer):
         return None
 
     def _record(self, groups, tries, hint_log, rows) -> None:
-        """Tracker rows for this step and the step's sage/* metrics, computed on all processes' groups."""
+        """Tracker rows for this step and the step's sage/* metrics, computed on all processes' groups. A group whose
+        prompt was swapped for fresh ones (dapo-filter) gives a row per prompt rolled: the trained one with its own
+        rollouts, and each swapped-out one (`trained` False) with its own, so "never solved" counts them."""
         method, recs = self.scheduler.name, []
         for pid, idx in groups:
-            ts = tries[pid]
-            first, sel = ts[0], self._selections[pid]
-            final = ts[sel.picks[0][0]]
-            final_rewards = [ts[ti].rewards[ri] for ti, ri in sel.picks]
-            base_state = gate.group_state(first.rewards) if first.level == 0 else "na"
-            first_state = gate.group_state(first.rewards)
-            acc = {lvl: None for lvl in LEVELS}
+            ts, sel, h = tries[pid], self._selections[pid], hint_log[pid]
+            final, trained_id = ts[sel.picks[0][0]], rows[idx[0]]["prompt_id"]
+            by_prompt: dict[str, list[Try]] = {}  # the prompts this group rolled, in order, each with its tries
             for t in ts:
-                if t.level > 0 and t.rewards:
-                    acc[t.level] = gate.pass_rate(t.rewards)
-            h = hint_log[pid]
-            row = rows[idx[0]]
-            recs.append(dict(
-                prompt_id=row["prompt_id"], origin_id=pid, problem=row.get("problem") or _problem_of(row),
-                answer=str(row.get("answer")), difficulty=int(row.get("difficulty", -1) or -1),
-                base_pass_rate=gate.pass_rate(first.rewards) if first.level == 0 else float("nan"),
-                base_state=base_state, first_state=first_state, first_level=first.level, level=final.level,
-                max_level_tried=max(t.level for t in ts), pass_rate=gate.pass_rate(final_rewards),
-                rescued=first_state != "mixed" and not gate.collapsed(final_rewards), hint=final.hint,
-                hint_l1=h["hints_tried"].get(1), hint_l2=h["hints_tried"].get(2), hint_l3=h["hints_tried"].get(3),
-                acc_l1=acc[1], acc_l2=acc[2], acc_l3=acc[3],
-                leak_l1=1 in h["leaked"], leak_l2=2 in h["leaked"], leak_l3=3 in h["leaked"],
-                hint_failed=h["failed"], rollouts=sum(len(t.rewards) for t in ts) + self._unasked[pid],
-                completions=[completion_text(ts[ti].completions[ri]) for ti, ri in sel.picks], rewards=final_rewards,
-                pilot_rewards=list(first.rewards),
-                energy=gate.advantage_energy(final_rewards), weight=sel.weight, method=method,
-            ))
+                by_prompt.setdefault(t.rows[0]["prompt_id"], []).append(t)
+            for prompt_id, own in by_prompt.items():
+                trained = prompt_id == trained_id
+                if trained:
+                    final_rewards = [ts[ti].rewards[ri] for ti, ri in sel.picks]
+                    comps = [ts[ti].completions[ri] for ti, ri in sel.picks]
+                    last, weight, log_ = final, sel.weight, h
+                else:
+                    last, weight, log_ = own[-1], 0.0, dict(hints_tried={}, leaked=set(), failed=False)
+                    final_rewards, comps = last.rewards, last.completions
+                first = own[0]
+                base_state = gate.group_state(first.rewards) if first.level == 0 else "na"
+                first_state = gate.group_state(first.rewards)
+                acc = {lvl: None for lvl in LEVELS}
+                for t in own:
+                    if t.level > 0 and t.rewards:
+                        acc[t.level] = gate.pass_rate(t.rewards)
+                row = own[0].rows[0]
+                difficulty = row.get("difficulty")
+                recs.append(dict(
+                    prompt_id=prompt_id, origin_id=pid, trained=trained,
+                    problem=row.get("problem") or _problem_of(row), answer=str(row.get("answer")),
+                    difficulty=-1 if difficulty is None else int(difficulty),
+                    base_pass_rate=gate.pass_rate(first.rewards) if first.level == 0 else float("nan"),
+                    base_state=base_state, level=last.level,
+                    max_level_tried=max(t.level for t in own), pass_rate=gate.pass_rate(final_rewards),
+                    rescued=trained and first_state != "mixed" and not gate.collapsed(final_rewards),
+                    hint=last.hint, hint_l1=log_["hints_tried"].get(1), hint_l2=log_["hints_tried"].get(2),
+                    hint_l3=log_["hints_tried"].get(3), acc_l1=acc[1], acc_l2=acc[2], acc_l3=acc[3],
+                    leak_l1=1 in log_["leaked"], leak_l2=2 in log_["leaked"], leak_l3=3 in log_["leaked"],
+                    hint_failed=log_["failed"],
+                    rollouts=sum(len(t.rewards) for t in own) + (self._unasked[pid] if trained else 0),
+                    completions=[completion_text(c) for c in comps], rewards=final_rewards,
+                    pilot_rewards=list(first.rewards), energy=gate.advantage_energy(final_rewards) if trained else 0.0,
+                    weight=weight, method=method,
+                    # the batch slot's first rollout, whichever prompt the slot trained (for the step's metrics)
+                    slot_level=ts[0].level, slot_rewards=list(ts[0].rewards),
+                ))
         recs = gather_object(recs)
         step = self.state.global_step + 1
         self.tracker.record(step, recs)
+        # the step's metrics are per batch slot (its first rollout, the group it trained): one trained row each
+        every, recs = recs, [r for r in recs if r["trained"]]
         m, n = self._metrics["train"], len(recs)
-        states = [r["first_state"] for r in recs]
+        states = [gate.group_state(r["slot_rewards"]) for r in recs]
+        rescued = [s != "mixed" and not gate.collapsed(r["rewards"]) for s, r in zip(states, recs, strict=True)]
         m["sage/frac_collapsed"].append(sum(s != "mixed" for s in states) / n)
         m["sage/frac_all_zero"].append(states.count("all0") / n)
         m["sage/frac_all_one"].append(states.count("all1") / n)
-        m["sage/frac_rescued"].append(sum(r["rescued"] for r in recs) / n)
-        m["sage/rescued_groups"].append(float(sum(r["rescued"] for r in recs)))
+        m["sage/frac_rescued"].append(sum(rescued) / n)
+        m["sage/rescued_groups"].append(float(sum(rescued)))
         # groups trained with an open gate (mixed rewards: a non-zero advantage), whatever the level
         m["sage/open_groups"].append(float(sum(not gate.collapsed(r["rewards"]) for r in recs)))
         m["sage/frac_open"].append(m["sage/open_groups"][-1] / n)
-        hinted = [r for r in recs if r["max_level_tried"] > 0 and r["first_level"] == 0]
-        m["sage/rescue_rate"].append(sum(r["rescued"] for r in hinted) / len(hinted) if hinted else float("nan"))
+        hinted = [x for r, x in zip(recs, rescued, strict=True) if r["max_level_tried"] > 0 and r["slot_level"] == 0]
+        m["sage/rescue_rate"].append(sum(hinted) / len(hinted) if hinted else float("nan"))
         for lvl in (0, *LEVELS):
             m[f"sage/level_{lvl}_frac"].append(sum(r["level"] == lvl for r in recs) / n)
         for lvl in LEVELS:
@@ -628,8 +662,8 @@ class SageGRPOTrainer(GRPOTrainer):
         m["sage/never_solved"].append(self.tracker.never_solved())
         m["sage/never_solved_no_hint"].append(self.tracker.never_solved_no_hint())
         m["sage/adv_energy"].append(sum(r["energy"] for r in recs) / n)
-        m["sage/rollouts"].append(float(sum(r["rollouts"] for r in recs)))
-        base = [r["base_pass_rate"] for r in recs if r["first_level"] == 0]
+        m["sage/rollouts"].append(float(sum(r["rollouts"] for r in every)))
+        base = [gate.pass_rate(r["slot_rewards"]) for r in recs if r["slot_level"] == 0]
         m["sage/base_pass_rate"].append(sum(base) / len(base) if base else float("nan"))
 
     # ------------------------------------------------------------------------------------------ resume
@@ -663,6 +697,8 @@ class SageGRPOTrainer(GRPOTrainer):
             self._pool_pos = int(places[rank]) if rank < len(places) else 0
         count = 0
         for rec in self.tracker.reload(up_to_step):
+            if rec.get("trained") is not None and not rec["trained"]:  # swapped out (dapo-filter): not observed live
+                continue
             self.scheduler.observe(rec["prompt_id"], int(rec["level"]), [float(x) for x in rec["rewards"]],
                                    [float(x) for x in rec["pilot_rewards"]])
             count += 1

@@ -454,8 +454,20 @@ def test_trains_on_the_tiny_model_and_logs_the_budget(method, tiny_model_dir, tm
             assert sum(x > 0.5 for x in picked) == min(k, g - min(len(pool) - k, g // 2))
             h = C.pilot_weight(sum(x > 0.5 for x in tries[0][1]), g, "log")
             assert sel.weight == pytest.approx(h * C.reference_signal(g) / C.signal(picked))
-    if method == "dapo-filter":
-        assert sum(h["sage/new_prompts"] for h in hist) * 4 == pytest.approx((df.rollouts / g - 1).sum())
+    if method == "dapo-filter":  # a row per prompt rolled: each swapped-out one with its own (collapsed) rollouts
+        swapped = df[~df.trained]
+        assert sum(h["sage/new_prompts"] for h in hist) * 4 == pytest.approx(len(swapped)) and len(swapped)
+        assert (df.rollouts == g).all() and df.groupby("step").trained.sum().tolist() == [4, 4]
+        for r in df.itertuples():
+            assert r.base_pass_rate == pytest.approx(np.mean(r.pilot_rewards)), "base fields are the prompt's own"
+        assert all(collapsed(list(r)) for r in swapped.pilot_rewards)
+        assert set(swapped.origin_id) <= set(df.origin_id[df.trained])  # each came from a slot that trained another
+        from sage_core.tracker import PromptTracker
+
+        replay = PromptTracker(trainer.args.tracker_dir, write=False)
+        list(replay.reload())
+        assert replay.seen == set(df.prompt_id)  # swapped-out prompts count towards never solved
+        assert replay.solved == set(df.prompt_id[df.pass_rate > 0])  # by each prompt's own rollouts
     if method == "sage-light+ada-seq":  # SAGE-LIGHT's rule on the pilot's accuracy, all rounds at that level
         first = {pid: t for t, _, pid in seen[:4]}
         for tries, _, pid in seen[4:]:

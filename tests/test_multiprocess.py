@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 from helpers import global_metrics, run_jobs_on_two_ranks, two_rank_job
 
-AGREE = ["sage-light+ada-seq", "sage"]
+AGREE = ["sage-light+ada-seq", "sage", "ada-est", "dapo-filter"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,15 @@ def test_two_processes_agree(runs, method):
     assert len(files) == 2  # written once, by rank 0
     for f in files:
         df = pd.read_parquet(f)
-        assert len(df) == 4 and df.prompt_id.is_unique  # all 4 groups of both ranks, each once
+        assert df.trained.sum() == 4 and df.prompt_id.is_unique  # all 4 groups of both ranks, each once
+        if method != "dapo-filter":
+            assert len(df) == 4
+        else:  # prompts swapped in on either rank: none twice, none another rank's own (checked: unique ids)
+            assert (df.origin_id[df.trained].nunique() == 4) and set(df.origin_id) <= set(df.prompt_id)
+    if method == "dapo-filter":
+        assert sum(h.get("sage/new_prompts", 0) for h in r0["history"]) > 0, "no prompt was swapped: nothing tested"
+    if method == "ada-est":  # c fitted on the pilots of both ranks' groups, the same on both
+        assert len(r0["scheduler"]["history"]) == 8
     if method.startswith("sage-light"):
         second = pd.read_parquet(files[1]).set_index("prompt_id")
         levels = r0["scheduler"]["levels"]

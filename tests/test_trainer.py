@@ -217,7 +217,9 @@ def test_a_run_started_over_writes_its_fixed_hints_again(tiny_model_dir, tmp_pat
     """resume=False (sage train --no-resume) starts over: the fixed hints in the folder are written again by the
     initial policy, not read back (a resumed run reads them)."""
     spec = small("sage-light", hint_source="fixed", max_steps=1, save_steps=1)
-    train(spec, tmp_path)
+    res = train(spec, tmp_path)
+    (step1,) = [h for h in res.log_history if "sage/hint_prepare_seconds" in h]
+    assert 0 < step1["sage/hint_prepare_seconds"] <= step1["sage/hint_seconds"]  # writing them is hint time
     path = tmp_path / "fixed_hints.jsonl"
     written = path.read_text()
     path.write_text(written.replace('"hint": "', '"hint": "MARKER '))
