@@ -21,7 +21,7 @@ Weighting = Literal["none", "linear", "log", "arcsin-sqrt"]
 class RunSpec(BaseModel):
     """Everything that defines a run. Defaults are the offline tiny-cpu preset."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf lr or temperature: NaN weights
 
     # what to train
     model: str = Field("tiny", min_length=1,
@@ -79,9 +79,9 @@ class RunSpec(BaseModel):
                                           "max_completion_length it sizes vLLM's context")
     max_completion_length: int = Field(40, ge=1)
     temperature: float = Field(1.0, gt=0.0)
-    epsilon: float = 0.2
-    epsilon_high: float = 0.28
-    beta: float = 0.0
+    epsilon: float = Field(0.2, ge=0.0, description="PPO clip: ratio >= 1 - epsilon")
+    epsilon_high: float = Field(0.28, ge=0.0, description="PPO clip: ratio <= 1 + epsilon_high (DAPO's clip-higher)")
+    beta: float = Field(0.0, ge=0.0, description="KL penalty coefficient (0: no reference model)")
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     seed: int = Field(0, ge=0, description="seed of the synthetic prompts, the held-out set and training")
     save_steps: int = Field(10, ge=1)

@@ -1,0 +1,25 @@
+"""RunSpec: values that would train nonsense are refused when the spec is made, naming the field."""
+
+import pytest
+from pydantic import ValidationError
+
+from sage_core.spec import RunSpec
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("learning_rate", float("inf"), "finite"),  # trained to all-NaN weights, exit 0, before
+    ("temperature", float("inf"), "finite"),
+    ("beta", float("nan"), "finite"),
+    ("light_min", float("nan"), "finite"),
+    ("epsilon", -5.0, "greater than or equal to 0"),
+    ("epsilon_high", -0.1, "greater than or equal to 0"),
+    ("beta", -0.01, "greater than or equal to 0"),
+])
+def test_non_finite_or_negative_values_are_refused(field, value, says):
+    with pytest.raises(ValidationError, match=rf"{field}\n.*{says}"):
+        RunSpec(**{field: value})
+
+
+def test_the_bounds_keep_the_usual_values():
+    s = RunSpec(epsilon=0.0, beta=0.04, epsilon_high=0.0)
+    assert (s.epsilon, s.beta, s.epsilon_high) == (0.0, 0.04, 0.0)
