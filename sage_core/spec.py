@@ -142,12 +142,19 @@ def check_run_folder(spec: RunSpec, out: str | Path) -> None:
     """Raise RunFolderTaken when `out` holds a run (checkpoints, tracker files, a final model or an MLflow run id)
     whose spec.json records another spec (fields outside RESUMABLE_FIELDS differ): training there would resume that
     run under the new spec, or without resuming overwrite its checkpoints, tracker and final model. A folder left by
-    a run that failed before its first step, or with an unreadable spec.json, passes."""
+    a run that failed before its first step, or with an unreadable spec.json, passes; a folder that is no run's is
+    refused when it holds a file training writes over."""
     from .tracking import RUN_ID_FILE
 
     out = Path(out)
-    if not out.is_dir() or not (any(out.glob("checkpoint-*")) or any(out.glob("tracker/*.parquet"))
-                                or (out / "final").exists() or (out / RUN_ID_FILE).exists()):
+    if not out.is_dir():
+        return
+    if not (any(out.glob("checkpoint-*")) or any(out.glob("tracker/*.parquet")) or (out / "final").exists()
+            or (out / RUN_ID_FILE).exists()):
+        # not a run: fine, unless it holds files a run writes over (TRL's model card README.md, summary.json)
+        if mine := [n for n in ("README.md", "summary.json") if (out / n).exists()]:
+            raise RunFolderTaken(f"{out} is not a run's folder and holds {', '.join(mine)}, which training writes "
+                                 "over: pick another output dir")
         return
     try:
         old = json.loads((out / "spec.json").read_text(encoding="utf-8"))

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,6 +259,18 @@ def last_checkpoint(output_dir: str | Path) -> Path | None:
     return max(ckpts, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 
+def remove_earlier_models(output_dir: Path) -> list[str]:
+    """Delete what an earlier run in `output_dir` trained (checkpoint-N/, final/, the LoRA adapter/): a run that
+    starts over there would otherwise leave them beside its own, and a later resume would continue from the earlier
+    run's last checkpoint, past the new run's steps. Returns the names removed."""
+    gone = []
+    for p in sorted(output_dir.iterdir()):
+        if p.is_dir() and (re.fullmatch(r"checkpoint-\d+", p.name) or p.name in ("final", ADAPTER_DIR)):
+            shutil.rmtree(p)
+            gone.append(p.name)
+    return gone
+
+
 def check_checkpoint(ckpt: Path) -> None:
     """A checkpoint a run resumes from must be readable: its trainer state (JSON) and its weights (safetensors
     headers, which also hold the file sizes). A bad one is a DataError naming the file, before anything runs."""
@@ -302,8 +315,11 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
         log.warning("%s: %d tracker files of steps after %s were discarded (written after the last checkpoint, "
                     "or by an earlier run); those steps are trained again", output_dir, len(stale),
                     ckpt.name if ckpt is not None else "the start")
-    if not resume:  # starting over: nothing an earlier run left (fixed hints) is read
+    if not resume:  # starting over: nothing an earlier run left (fixed hints, checkpoints, model) is read
         trainer.hint_source.start_over(delete=trainer.accelerator.is_main_process)
+        if trainer.accelerator.is_main_process and (gone := remove_earlier_models(output_dir)):
+            log.warning("%s: starting over, removed the earlier run's %s", output_dir, ", ".join(gone))
+        trainer.accelerator.wait_for_everyone()
     if ckpt is not None:
         replayed = trainer.restore_state(step, ckpt)
         log.info("resuming %s from %s (%d tracker records replayed)", output_dir, ckpt.name, replayed)

@@ -23,3 +23,19 @@ def test_non_finite_or_negative_values_are_refused(field, value, says):
 def test_the_bounds_keep_the_usual_values():
     s = RunSpec(epsilon=0.0, beta=0.04, epsilon_high=0.0)
     assert (s.epsilon, s.beta, s.epsilon_high) == (0.0, 0.04, 0.0)
+
+
+def test_a_folder_that_is_no_runs_is_refused_when_training_would_write_over_its_files(tmp_path):
+    """TRL writes its model card README.md into the output dir, and train() a summary.json: a user's folder holding
+    such files is refused (they were overwritten); other files, an empty folder or a new one are fine."""
+    from sage_core.spec import RunFolderTaken, check_run_folder
+
+    (tmp_path / "notes.txt").write_text("mine")
+    check_run_folder(RunSpec(), tmp_path)
+    check_run_folder(RunSpec(), tmp_path / "new")
+    (tmp_path / "README.md").write_text("# my experiment notes")
+    with pytest.raises(RunFolderTaken, match=r"not a run's folder and holds README.md"):
+        check_run_folder(RunSpec(), tmp_path)
+    assert (tmp_path / "README.md").read_text() == "# my experiment notes"
+    (tmp_path / "checkpoint-1").mkdir()  # a run's folder: its own model card, written over as it trains
+    check_run_folder(RunSpec(), tmp_path)

@@ -215,7 +215,8 @@ def test_resumed_dapo_filter_draws_the_fresh_prompts_of_the_straight_run(tiny_mo
 
 def test_a_run_started_over_writes_its_fixed_hints_again(tiny_model_dir, tmp_path):
     """resume=False (sage train --no-resume) starts over: the fixed hints in the folder are written again by the
-    initial policy, not read back (a resumed run reads them)."""
+    initial policy, not read back (a resumed run reads them), and the earlier run's checkpoints go (a later resume
+    continued from the earlier run's checkpoint-2, past the new run's step 1, and trained nothing)."""
     spec = small("sage-light", hint_source="fixed", max_steps=1, save_steps=1)
     res = train(spec, tmp_path)
     (step1,) = [h for h in res.log_history if "sage/hint_prepare_seconds" in h]
@@ -225,8 +226,12 @@ def test_a_run_started_over_writes_its_fixed_hints_again(tiny_model_dir, tmp_pat
     path.write_text(written.replace('"hint": "', '"hint": "MARKER '))
     train(spec.model_copy(update={"max_steps": 2}), tmp_path)  # resumed: reads the file as it is
     assert "MARKER" in path.read_text()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     train(spec, tmp_path, resume=False)
     assert path.read_text() == written
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
+    train(spec.model_copy(update={"max_steps": 2}), tmp_path)
+    assert (tmp_path / "tracker" / "step_000002.parquet").exists()  # step 2 trained again, from the new step 1
 
 
 def test_resume_discards_tracker_files_written_after_the_checkpoint(tiny_model_dir, tmp_path):
