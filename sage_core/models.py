@@ -515,11 +515,19 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
         raise ModelNotFound(f"{what} {local.resolve()} has no config.json: not a saved model, which is a folder (a "
                             "run's trained model is its final/ or a checkpoint-N/ folder, or a LoRA run's adapter "
                             "folder) or a .gguf file")
-    if gguf_file is None and _is_generic_fast_tokenizer(name):
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(name)  # e.g. a checkpoint of the tiny model
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(name, **tok_kwargs)
-    model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    try:
+        if gguf_file is None and _is_generic_fast_tokenizer(name):
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(name)  # e.g. a checkpoint of the tiny model
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(name, **tok_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except OSError as e:
+        if local.exists():
+            raise
+        # 'runs/final' reads as an HF id: say both readings, and why the hub one failed (offline, no such id)
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelNotFound(f"model {name!r} not found: there is no local folder {local.resolve()}, and as a Hugging "
+                            f"Face id it does not load ({why})") from e
     tokenizer = _finish_tokenizer(tokenizer)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id

