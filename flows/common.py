@@ -287,7 +287,7 @@ def eval_means(eval_df, when: str, k: int | None = None) -> tuple[float, float]:
 def row_from_run(run_id: str) -> dict[str, Any]:
     """One result row of a training run, read back from MLflow (the same for fresh and skipped runs)."""
     run = tracking.client().get_run(run_id)
-    m, t, p = run.data.metrics, run.data.tags, run.data.params
+    m, t, p = run.data.metrics, run.data.tags, tracking.spec_values(run)  # a resumed run: its current fields
     k = int(p.get("sage.eval_k", "0") or 0) or None
     ev = tracking.load_eval(run_id)
     before_avg, before_pass = eval_means(ev, "before", k)

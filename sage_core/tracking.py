@@ -12,7 +12,13 @@ Layout (docs/architecture.md, "MLflow layout"):
 
 Runs are addressed by id through `MlflowClient`, so logging works from any thread (Prefect tasks) and from the
 process `accelerate launch` starts. A run is "complete" when its status is FINISHED and its tag `sage.complete`
-is `true` (set by `finish_run`); a crashed run keeps its id in `<output_dir>/mlflow_run_id` and is resumed.
+is `true` (set by `finish_run`; reset to `false` whenever the run is reopened); a crashed run keeps its id in
+`<output_dir>/mlflow_run_id` and is resumed.
+
+A run reopened with another spec (a resumable field changed, e.g. max_steps 1 -> 2: sage_core.spec.RESUMABLE_FIELDS)
+is made to describe what it trains: its `sage.spec_key` (and the other spec tags) and `spec.json` become the new
+spec's, and as MLflow params cannot change once logged, each field whose value differs from its param `sage.<field>`
+gets a tag `sage.resumed.<field>` = the new value (`spec_values` reads a run's fields with these applied).
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXPERIMENT = "sage"
 RUN_ID_FILE = "mlflow_run_id"
 COMPLETE_TAG = "sage.complete"
+RESUMED_PREFIX = "sage.resumed."  # + field: the value of a field changed when the run was reopened
+SPEC_TAGS = ("sage.method", "sage.hint_source", "sage.model", "sage.spec_key")  # from the spec
 EVAL_ARTIFACT = "eval/eval.parquet"
 DROPPED_PROMPTS = "dropped_prompts.json"  # rows over max_prompt_length, left out of training (sage_core.train)
 EVAL_COLUMNS = ["benchmark", "when", "k", "avg_at_k", "pass_at_k", "n_prompts"]
@@ -186,10 +194,12 @@ def open_run(spec: RunSpec, kind: str, experiment: str = DEFAULT_EXPERIMENT, run
             run = None
         if run is not None and run.info.lifecycle_stage != "deleted":
             c.update_run(run_id, status="RUNNING")
+            c.set_tag(run_id, COMPLETE_TAG, "false")  # complete again only when this attempt finishes
             frid = prefect_flow_run_id()
             if frid:
                 c.set_tag(run_id, "prefect.flow_run_id", frid)
             c.set_tag(run_id, "sage.resumed", str(int(run.data.tags.get("sage.resumed", "0")) + 1))
+            _respec_run(run, spec, kind)
             return run_id
         log.warning("MLflow run %s not found in %s; starting a new run", run_id, tracking_uri())
 
@@ -208,6 +218,53 @@ def open_run(spec: RunSpec, kind: str, experiment: str = DEFAULT_EXPERIMENT, run
                                                                                                "false")])
     c.log_dict(rid, spec.model_dump(), "spec.json")
     return rid
+
+
+def spec_values(run: Run) -> dict[str, str]:
+    """`sage.<field>` -> the value the run trains with, as MLflow stores it: its param `sage.<field>`, or its tag
+    `sage.resumed.<field>` where the run was reopened with that field changed (a logged param cannot change)."""
+    values = {k: v for k, v in run.data.params.items() if k.startswith("sage.")}
+    values.update({"sage." + k[len(RESUMED_PREFIX):]: v for k, v in run.data.tags.items()
+                   if k.startswith(RESUMED_PREFIX) and len(k) > len(RESUMED_PREFIX)})
+    return values
+
+
+def _respec_run(run: Run, spec: RunSpec, kind: str) -> list[str]:
+    """Make reopened `run` describe `spec` when it was opened (created or last reopened) with another one: the spec
+    tags (`sage.spec_key`, ...), `spec.json`, a tag `sage.resumed.<field>` for each field whose param differs from
+    `spec` (dropped when the field is back to its param's value) and params for fields the run has none of.
+    Returns the changed fields as `field old -> new`; an unchanged spec changes nothing."""
+    from mlflow.entities import Param, RunTag
+    from mlflow.utils.validation import MAX_PARAMS_TAGS_PER_BATCH
+
+    tags, params = run.data.tags, run.data.params
+    if tags.get("sage.spec_key") == spec.key():
+        return []
+    rid = run.info.run_id
+    current, new = spec_values(run), spec_params(spec)
+    changed = [f"{k[len('sage.'):]} {current.get(k, '?')} -> {v}" for k, v in new.items() if current.get(k) != v]
+    set_tags = {k: v for k, v in run_tags(spec, kind).items() if k in SPEC_TAGS}
+    add_params: list[Param] = []
+    drop: list[str] = []
+    for k, v in new.items():
+        tag = RESUMED_PREFIX + k[len("sage."):]
+        if k not in params:  # a field added to RunSpec after the run was created
+            add_params.append(Param(k, v))
+        elif params[k] != v:
+            set_tags[tag] = v
+        elif tag in tags:  # back to the value it was created with
+            drop.append(tag)
+    items = [RunTag(k, v) for k, v in set_tags.items()]
+    c = client()
+    for i in range(0, max(len(items), len(add_params)), MAX_PARAMS_TAGS_PER_BATCH):
+        c.log_batch(rid, params=add_params[i:i + MAX_PARAMS_TAGS_PER_BATCH],
+                    tags=items[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+    for tag in drop:
+        c.delete_tag(rid, tag)
+    c.log_dict(rid, spec.model_dump(), "spec.json")
+    log.info("MLflow run %s reopened with another spec (%s -> %s): %s", rid, tags.get("sage.spec_key"),
+             spec.key(), "; ".join(changed) or "no field changed")
+    return changed
 
 
 def finish_run(run_id: str, status: str = "FINISHED", complete: bool | None = None) -> None:

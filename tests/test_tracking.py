@@ -74,6 +74,50 @@ def test_open_run_tags_params_spec_and_resume(store, tmp_path):
     assert not resumed and rid3 != rid and tracking.read_run_id(out) == rid3
 
 
+def test_run_resumed_with_a_changed_spec_describes_the_new_spec(store, tmp_path):
+    """A finished 1-step run resumed with max_steps=2 (a resumable field) in its output dir: the same MLflow run now
+    describes the 2-step spec (spec key, spec.json, `sage.resumed.max_steps`; the param cannot change) and is not
+    complete while it trains, so only the 2-step spec finds it once it has finished."""
+    one, two = RunSpec(max_steps=1), RunSpec(max_steps=2)
+    out, exp = tmp_path / "out", "t-respec"
+    rid, _ = tracking.resume_or_create_run(one, "train", out, experiment=exp)
+    tracking.finish_run(rid)
+    assert tracking.find_finished_run(one.key(), exp).info.run_id == rid
+
+    assert tracking.resume_or_create_run(two, "train", out, experiment=exp) == (rid, True)
+    c = tracking.client()
+    run = c.get_run(rid)
+    t = run.data.tags
+    assert run.info.status == "RUNNING" and t[tracking.COMPLETE_TAG] == "false" and not tracking.is_complete(run)
+    assert t["sage.spec_key"] == two.key() and t["sage.resumed"] == "1" and t["sage.resumed.max_steps"] == "2"
+    assert not [k for k in t if k.startswith("sage.resumed.") and k != "sage.resumed.max_steps"]
+    assert run.data.params["sage.max_steps"] == "1"  # MLflow params cannot change once logged
+    assert tracking.spec_values(run) == tracking.spec_params(two)
+    got = json.loads(Path(c.download_artifacts(rid, "spec.json", str(tmp_path / "dl1"))).read_text())
+    assert got == two.model_dump()
+    assert tracking.find_finished_run(one.key(), exp) is None and tracking.find_finished_run(two.key(), exp) is None
+    tracking.finish_run(rid)
+    assert tracking.find_finished_run(two.key(), exp).info.run_id == rid
+    assert tracking.find_finished_run(one.key(), exp) is None
+
+    # resumed again: unchanged spec changes nothing but the attempt count; another change moves the tags along
+    tracking.resume_or_create_run(two, "train", out, experiment=exp)
+    t = c.get_run(rid).data.tags
+    assert t["sage.spec_key"] == two.key() and t["sage.resumed.max_steps"] == "2" and t["sage.resumed"] == "2"
+    three = RunSpec(max_steps=3, eval_k=2)
+    tracking.resume_or_create_run(three, "train", out, experiment=exp)
+    run = c.get_run(rid)
+    assert run.data.tags["sage.resumed.max_steps"] == "3" and run.data.tags["sage.resumed.eval_k"] == "2"
+    assert run.data.tags["sage.spec_key"] == three.key() and tracking.spec_values(run) == tracking.spec_params(three)
+    # back to the created spec's values: the tags that explained the params go
+    tracking.resume_or_create_run(one, "train", out, experiment=exp)
+    run = c.get_run(rid)
+    assert not [k for k in run.data.tags if k.startswith("sage.resumed.")]
+    assert run.data.tags["sage.spec_key"] == one.key() and run.data.tags["sage.resumed"] == "4"
+    got = json.loads(Path(c.download_artifacts(rid, "spec.json", str(tmp_path / "dl2"))).read_text())
+    assert got == one.model_dump()
+
+
 def test_start_run_parent_child_and_status(store):
     import mlflow
 
