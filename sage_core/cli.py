@@ -318,10 +318,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_hints(args: argparse.Namespace) -> int:
-    """Write a teacher's hints for every training prompt of a spec to a hints file (prompt_id, level, hint), to train
-    with later (`--set hint_source=teacher --set teacher=FILE.jsonl`). The hints go to FILE.partial.jsonl chunk by
-    chunk; a run that stops keeps them and the next run asks only for the rest; the finished file is renamed to
-    FILE.jsonl."""
+    """Write a teacher's hints for every training prompt of a spec to a hints file (prompt_id, level, hint and the
+    problem_sha of the problem each was written for), to train with later (`--set hint_source=teacher --set
+    teacher=FILE.jsonl`). The hints go to FILE.partial.jsonl chunk by chunk; a run that stops keeps them and the next
+    run asks only for the rest (hints written for another problem under the same prompt id are asked again); the
+    finished file is renamed to FILE.jsonl."""
     spec = build_spec(args.preset, args.spec, args.set)
     teacher = args.teacher or spec.teacher
     if not teacher:
@@ -344,12 +345,18 @@ def cmd_hints(args: argparse.Namespace) -> int:
     if args.chunk < 1:
         raise SpecError(f"--chunk {args.chunk}: at least 1")
     from .data import build_dataset
-    from .hints import HintContext, HintRequest, TeacherHints, read_hints, write_hints
+    from .hints import HintContext, HintRequest, TeacherHints, problem_sha, read_hints_and_shas, write_hints
 
     rows = build_dataset(spec)
-    done = read_hints(partial) if partial.exists() else {}
-    if done:
-        print(f"resuming: {len(done)} hints already in {partial}")
+    shas = {r["prompt_id"]: problem_sha(r["problem"]) for r in rows}
+    done, done_shas = read_hints_and_shas(partial) if partial.exists() else ({}, {})
+    stale = [k for k in done if k[0] not in shas or done_shas.get(k) != shas[k[0]]]  # another spec's problems
+    for k in stale:
+        del done[k]
+    if done or stale:
+        print(f"resuming: {len(done)} hints already in {partial}"
+              + (f"; {len(stale)} others there were not written for this spec's problems (their problem_sha differs "
+                 "or is missing): asked again" if stale else ""))
     reqs = [HintRequest(r["prompt_id"], r["problem"], r["solution"], r["answer"], lvl)
             for r in rows for lvl in levels if (r["prompt_id"], lvl) not in done]
     source = TeacherHints(teacher, args.teacher_model or spec.teacher_model, spec.hint_max_tokens)
@@ -365,7 +372,7 @@ def cmd_hints(args: argparse.Namespace) -> int:
             if r.text is not None:
                 done[(q.prompt_id, q.level)] = r.text
             counts[q.level]["written" if r.text is not None else "leaked" if r.leaked else "failed"] += 1
-        write_hints(partial, [(pid, lv, text) for (pid, lv), text in done.items()])
+        write_hints(partial, [(pid, lv, text) for (pid, lv), text in done.items()], shas)
         print(f"hints: {min(start + args.chunk, len(reqs))}/{len(reqs)} asked, {len(done)} in {partial}", flush=True)
     partial.replace(out)
     print(f"{'level':>5} {'written':>8} {'leaked':>7} {'failed':>7}")
@@ -524,6 +531,18 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, DataError, ModelNotFound, TeacherError) as e:  # bad input: the message says what, no traceback
         print(f"sage {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except (ImportError, FileNotFoundError) as e:
+        if not _says_what_is_missing(e):
+            raise
+        print(f"sage {args.command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _says_what_is_missing(e: ImportError | FileNotFoundError) -> bool:
+    """An ImportError or FileNotFoundError raised with a message that says what to install (use_vllm without vLLM,
+    a $SAGE_TRAIN_VENV without a python): it names no module and has no errno, unlike one from a failed import or
+    open deep in the code, which is a bug to show whole."""
+    return (e.name if isinstance(e, ImportError) else e.errno) is None
 
 
 if __name__ == "__main__":

@@ -282,6 +282,8 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
+            if e.msg == "Extra data":  # JSON lines in a .json file, as datasets' to_json writes by default
+                return _json_lines(text, path.resolve()), str(path.resolve())
             raise DataError(f"{path.resolve()}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
         if isinstance(data, Mapping):
             for key in (split, "data", "rows", "train"):

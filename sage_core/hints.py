@@ -11,6 +11,7 @@ Every hint passes the leak guard: a hint that contains the gold answer is reject
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
-from .data import DataError, MissingDataFile, read_records
+from .data import DataError, MissingDataFile, _is_blank, read_records
 from .prompts import LEVELS, chat, hint_request
 
 log = logging.getLogger(__name__)
@@ -75,19 +76,21 @@ def _clean(s: str) -> str:
 _TEXT = r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"  # \text{cm}: words inside maths
 
 
-# A number in a hint or an answer: \frac{a}{b} (also \dfrac, \tfrac), a/b written without spaces, 1,234 with thousands
-# separators, or a plain integer or decimal; a sign only where it cannot be a subtraction ("12-3" is 12 and 3).
-_NUMBER = re.compile(r"(-?)\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(\d+)\s*\}"
+# A number in a hint or an answer: \frac{a}{b} (also \dfrac, \tfrac; a one-digit argument may go without braces, as
+# in \frac12), a/b written without spaces, 1,234 with thousands separators, or a plain integer or decimal (.5 too);
+# a sign only where it cannot be a subtraction ("12-3" is 12 and 3).
+_NUMBER = re.compile(r"(-?)\\[dt]?frac\s*(\{\s*-?\d+\s*\}|\d)\s*(\{\s*\d+\s*\}|\d)"
                      r"|(?<![\w.,/])(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)(?![\w.,/])"
                      r"|(?<![\w.,])(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?)(?!\d)"
-                     r"|(?<![\w.])(-?\d+(?:\.\d+)?)")
+                     r"|(?<![\w.])(-?(?:\d+(?:\.\d+)?|\.\d+))")
 
 
 def _value(m: re.Match) -> Fraction | None:
     """The value of one number _NUMBER matched (None for a zero denominator)."""
     sign, num, den, a, b, grouped, plain = m.groups()
     if num is not None:
-        return Fraction(int(num), int(den)) * (-1 if sign else 1) if int(den) else None
+        num, den = int(num.strip("{} ")), int(den.strip("{} "))
+        return Fraction(num, den) * (-1 if sign else 1) if den else None
     if a is not None:
         return Fraction(a) / Fraction(b) if Fraction(b) else None
     return Fraction((grouped or plain).replace(",", ""))
@@ -272,8 +275,9 @@ class FixedHints(CachedHints):
 
 
 class TeacherHints(CachedHints):
-    """Hints from another model. `teacher` is a hints file (.jsonl/.parquet with prompt_id, level, hint), an
-    OpenAI-compatible base URL (http[s]://host/v1; `model` names the served model), or a local model path."""
+    """Hints from another model. `teacher` is a hints file (.jsonl/.parquet with prompt_id, level, hint and, where
+    `sage hints` wrote it, problem_sha), an OpenAI-compatible base URL (http[s]://host/v1; `model` names the served
+    model), or a local model path."""
 
     name = "teacher"
 
@@ -281,14 +285,42 @@ class TeacherHints(CachedHints):
         super().__init__()
         self.teacher, self.model, self.max_new_tokens = teacher, model, max_new_tokens
         self._generate: GenerateFn | None = None
+        self.file: Path | None = None
+        self.shas: dict[tuple[str, int], str] = {}  # the problem_sha of the file's hints that carry one
         if teacher.endswith((".jsonl", ".json", ".parquet")):
-            if not Path(teacher).exists():
+            self.file = Path(teacher)
+            if not self.file.exists():
                 raise MissingDataFile(f"teacher hints file not found: {teacher}")
-            self.hints = read_hints(Path(teacher))
+            self.hints, self.shas = read_hints_and_shas(self.file)
         elif teacher.startswith(("http://", "https://")):
             self._generate = _openai_generate(teacher, model)
         else:
             self._generate = _local_model_generate(teacher)
+
+    def prepare(self, rows, ctx):
+        """A hints file is matched to the training prompts by prompt id, and ids can repeat across data sets
+        (synthetic ids do not name the difficulty): drop the hints whose problem_sha names another problem, refuse
+        a file that covers none of the training prompts (the run would be GRPO under a SAGE label), and warn about
+        one that covers less than half."""
+        if self.file is None:
+            return
+        want = {str(r["prompt_id"]): problem_sha(r["problem"]) for r in rows}
+        stale = [k for k, sha in self.shas.items() if k[0] in want and sha != want[k[0]]]
+        for k in stale:
+            del self.hints[k]
+        if stale:
+            log.warning("%s: %d hints were written for another problem under the same prompt id (their problem_sha "
+                        "differs); they are ignored", self.file, len(stale))
+        covered = len(want.keys() & {pid for pid, _ in self.hints})
+        if want and not covered:
+            ids = sorted({pid for pid, _ in self.hints} | {pid for pid, _ in stale})
+            raise DataError(f"{self.file}: its hints cover none of the {len(want)} training prompts (it has hints "
+                            f"for {len(ids)} prompt ids, e.g. {ids[:3]}; training ids are e.g. {list(want)[:3]}"
+                            + (f"; {len(stale)} hints were written for other problems under the same ids"
+                               if stale else "") + "); write hints for this spec with `sage hints`")
+        if covered < len(want) / 2:
+            log.warning("%s: its hints cover %d of the %d training prompts; the others get no hint", self.file,
+                        covered, len(want))
 
     def get(self, requests, ctx):
         if self._generate is not None:
@@ -376,11 +408,26 @@ def _local_model_generate(path: str) -> GenerateFn:
 
 
 # ----------------------------------------------------------------------------------------------- files
+def problem_sha(problem: str) -> str:
+    """A short hash of a problem's text, written with each hint by `sage hints`: prompt ids alone can name another
+    problem (synthetic ids are the same for every difficulty)."""
+    return hashlib.sha256(str(problem).encode()).hexdigest()[:12]
+
+
 def read_hints(path: Path) -> dict[tuple[str, int], str]:
-    """Read a hints file: rows with prompt_id, level (1..3) and hint. Bad rows raise a DataError naming the row
-    (counted from 0) or, for a line that is not JSON, the line (counted from 1)."""
+    """Read a hints file: rows with prompt_id, level (1..3) and hint (see read_hints_and_shas)."""
+    return read_hints_and_shas(path)[0]
+
+
+def read_hints_and_shas(path: Path) -> tuple[dict[tuple[str, int], str], dict[tuple[str, int], str]]:
+    """The hints of a hints file, and the problem_sha of those whose row carries one. Bad rows raise a DataError
+    naming the row (counted from 0) or, for a line that is not JSON, the line (counted from 1); so do two different
+    hints for one prompt and level. A null or blank hint is a missing one (counted in a warning), never an empty
+    hint that would be used."""
     records, _ = read_records(str(path), "hints")  # .jsonl, .json or .parquet, with the data loader's errors
-    hints = {}
+    hints: dict[tuple[str, int], str] = {}
+    shas: dict[tuple[str, int], str] = {}
+    blank = 0
     for i, rec in enumerate(records):
         missing = {"prompt_id", "level", "hint"} - set(rec)
         if missing:
@@ -392,16 +439,32 @@ def read_hints(path: Path) -> dict[tuple[str, int], str]:
             ok = False
         if not ok:
             raise DataError(f"{path}: row {i} has level {rec['level']!r}; levels are {LEVELS}")
-        hints[(str(rec["prompt_id"]), level)] = str(rec["hint"])
-    return hints
+        if _is_blank(rec["hint"]):
+            blank += 1
+            continue
+        key, text = (str(rec["prompt_id"]), level), str(rec["hint"])
+        if hints.setdefault(key, text) != text:
+            raise DataError(f"{path}: row {i} gives prompt {key[0]!r} level {level} a second hint, different from "
+                            f"the first ({hints[key][:60]!r}, then {text[:60]!r}); keep one")
+        if not _is_blank(rec.get("problem_sha")):
+            shas[key] = str(rec["problem_sha"])
+    if blank:
+        log.warning("%s: %d of %d rows have a null or blank hint; those hints count as missing", path, blank,
+                    len(records))
+    return hints, shas
 
 
-def write_hints(path: Path, hints: Sequence[tuple[str, int, str]]) -> None:
+def write_hints(path: Path, hints: Sequence[tuple[str, int, str]], shas: dict[str, str] | None = None) -> None:
+    """Write a hints file; `shas` (prompt id -> problem_sha) adds to each row the hash of the problem it was
+    written for."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w") as f:
         for pid, level, text in hints:
-            f.write(json.dumps({"prompt_id": pid, "level": level, "hint": text}) + "\n")
+            rec = {"prompt_id": pid, "level": level, "hint": text}
+            if shas and pid in shas:
+                rec["problem_sha"] = shas[pid]
+            f.write(json.dumps(rec) + "\n")
     tmp.replace(path)
 
 
@@ -410,7 +473,8 @@ def write_reference_hints(rows: Sequence[dict], path: str | Path) -> Path:
     from .data import reference_hint
 
     path = Path(path)
-    write_hints(path, [(r["prompt_id"], lvl, reference_hint(r, lvl)) for r in rows for lvl in LEVELS])
+    write_hints(path, [(r["prompt_id"], lvl, reference_hint(r, lvl)) for r in rows for lvl in LEVELS],
+                {r["prompt_id"]: problem_sha(r["problem"]) for r in rows})
     return path
 
 

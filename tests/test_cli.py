@@ -201,6 +201,46 @@ def test_eval_of_a_missing_model_folder_exits_2_naming_it(capsys, tmp_path):
     assert rc == 2 and err.startswith(f"sage eval: model not found: {tmp_path / 'final'} does not exist")
 
 
+needs_no_vllm = pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None,
+                                   reason="vLLM is installed here")
+
+
+@needs_no_vllm
+def test_use_vllm_without_vllm_exits_2_saying_what_to_install(capsys, tmp_path, monkeypatch):
+    """use_vllm where vLLM is missing (eval, eval through a $SAGE_TRAIN_VENV that is not there, train on CPU) is a
+    setup to mend: one line on stderr, exit code 2, no traceback."""
+    monkeypatch.delenv("SAGE_TRAIN_VENV", raising=False)
+    argv = ["eval", "--model", "tiny", "--benchmark", "s=synthetic", "--num-prompts", "2", "--set", "use_vllm=true"]
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 2 and err.startswith("sage eval: use_vllm=True needs vLLM") and len(err.splitlines()) == 1
+    monkeypatch.setenv("SAGE_TRAIN_VENV", str(tmp_path / "nonexistent"))
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 2 and err == f"sage eval: SAGE_TRAIN_VENV={tmp_path / 'nonexistent'}: no " \
+        f"{tmp_path / 'nonexistent' / 'bin' / 'python'} (a venv with vLLM, e.g. make gpu-venv)\n"
+    import torch
+
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("SAGE_TRAIN_VENV")
+        rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", "use_vllm=true", "--output-dir",
+                             str(tmp_path / "run"))
+        assert rc == 2 and err.startswith("sage train: use_vllm on a machine without CUDA needs vLLM's CPU build")
+
+
+def test_an_import_or_open_that_fails_in_the_code_is_not_hidden(monkeypatch):
+    """Only the errors that say what to install are shown as one line: a failed import or open is a bug, with its
+    traceback."""
+    def broken_import(args):
+        import sage_core.no_such_module  # noqa: F401
+
+    def broken_open(args):
+        open("/nonexistent/sage-file")  # noqa: SIM115
+
+    for broken, error in ((broken_import, ModuleNotFoundError), (broken_open, FileNotFoundError)):
+        monkeypatch.setattr(cli, "cmd_presets", broken)
+        with pytest.raises(error):
+            cli.main(["presets"])
+
+
 def test_eval_of_a_folder_that_is_no_model_exits_2_naming_it(capsys, tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()

@@ -183,6 +183,19 @@ def test_load_json_list_with_limit_and_string_prompts(tmp_path):
     assert ds["prompt_id"] == ["a0", "a1", "a2"] and ds["difficulty"] == [2, 2, 2]
 
 
+def test_a_json_file_of_json_lines_is_read_as_json_lines(tmp_path):
+    """datasets' Dataset.to_json writes JSON lines into a .json file by default; a bad line is then named."""
+    import datasets
+
+    path = tmp_path / "d.json"
+    datasets.Dataset.from_list([{"problem": f"q{i} ?", "answer": str(i), "solution": "s", "id": f"a{i}"}
+                                for i in range(3)]).to_json(path)
+    assert load_rows(str(path))["prompt_id"] == ["a0", "a1", "a2"]
+    path.write_text(path.read_text() + '{"problem": "q", answer: 2}\n')
+    with pytest.raises(data.DataError, match=r"d.json: line 4 is not valid JSON"):
+        load_rows(str(path))
+
+
 @pytest.mark.filterwarnings("ignore:.*answer-free")
 def test_duplicate_ids_are_rejected(tmp_path):
     path = tmp_path / "dup.jsonl"

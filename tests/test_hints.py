@@ -6,7 +6,7 @@ import pytest
 
 from sage_core.data import DataError
 from sage_core.hints import (FixedHints, HintContext, HintRequest, OnlineHints, TeacherError, TeacherHints, leaks,
-                             read_hints, request_prompt, sample_hints, write_hints)
+                             problem_sha, read_hints, request_prompt, sample_hints, write_hints)
 from sage_core.prompts import hint_request, hinted_problem
 
 
@@ -41,6 +41,16 @@ def req(pid="p1", level=3, answer="9"):
     ("12-3 first", "9", False),
     ("12-3 first", "-3", False),
     ("the fraction \\frac{3}{5}", "0.5", False),
+    # \frac with one-digit arguments without braces, a decimal without its leading 0
+    ("so it is \\frac{1}{2}", "\\frac12", True),
+    ("so it is 0.5", "\\frac12", True),
+    ("the answer is \\frac12", "\\frac{1}{2}", True),
+    ("it is \\dfrac 34 of it", "0.75", True),
+    ("it is \\tfrac1{2} of it", "1/2", True),
+    ("half: .5 of it", "1/2", True),
+    ("it is -.5", "-\\frac12", True),
+    ("the fraction \\frac13", "\\frac12", False),
+    ("version 1.2.5", "0.5", False),
     # any other answer as a substring, in the same typesetting: \dfrac is \frac, \left( is (, thin spaces go
     ("the angle is \\frac{\\pi}{4} here", "\\dfrac{\\pi}{4}", True),
     ("the point \\left(1, 2\\right)", "(1,2)", True),
@@ -186,6 +196,75 @@ def test_malformed_hints_files_are_data_errors_naming_the_place(tmp_path, conten
     path.write_text(content)
     with pytest.raises(DataError, match=needle):
         read_hints(path)
+
+
+def test_null_or_blank_hints_are_missing_and_a_second_different_hint_is_refused(tmp_path, caplog):
+    """A null or blank hint is no hint (the level fails, it is not rolled as an empty hint), counted in a warning;
+    one prompt and level given two different hints is an error naming both, the same hint twice is not."""
+    path = tmp_path / "hints.jsonl"
+    rows = [{"prompt_id": "p1", "level": 1, "hint": None}, {"prompt_id": "p1", "level": 2, "hint": " "},
+            {"prompt_id": "p1", "level": 3, "hint": "7 + 5 = 12 ."}, {"prompt_id": "p1", "level": 3, "hint": "7 + 5 = 12 ."}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("WARNING", logger="sage_core.hints"):
+        assert read_hints(path) == {("p1", 3): "7 + 5 = 12 ."}
+    assert "2 of 4 rows have a null or blank hint" in caplog.text
+    none, blank, good = TeacherHints(str(path)).get([req(level=1), req(level=2), req(level=3)],
+                                                    HintContext(generate=ScriptedModel([])))
+    assert none.failed and blank.failed and good.text == "7 + 5 = 12 ."
+    path.write_text(path.read_text() + json.dumps({"prompt_id": "p1", "level": 3, "hint": "Use + then - ."}) + "\n")
+    with pytest.raises(DataError, match=r"hints.jsonl: row 4 gives prompt 'p1' level 3 a second hint"):
+        TeacherHints(str(path))
+
+
+def test_a_hints_file_that_covers_none_of_the_training_prompts_is_refused(tmp_path, caplog):
+    """A teacher hints file is matched to the training rows by prompt id: one that covers none of them would turn
+    a SAGE run into GRPO (every hint failed), one that covers less than half is worth a warning."""
+    from sage_core.data import synthetic_rows
+
+    rows = synthetic_rows(4, seed=0)
+    path = tmp_path / "teacher.jsonl"
+    ctx = HintContext(generate=ScriptedModel([]))
+    write_hints(path, [(f"other-{i}", 1, "add first .") for i in range(4)])
+    with pytest.raises(DataError, match=r"teacher.jsonl: its hints cover none of the 4 training prompts \(it has "
+                                        r"hints for 4 prompt ids"):
+        TeacherHints(str(path)).prepare(rows, ctx)
+    write_hints(path, [("syn-0-0", 1, "add first .")])
+    with caplog.at_level("WARNING", logger="sage_core.hints"):
+        TeacherHints(str(path)).prepare(rows, ctx)
+    assert "its hints cover 1 of the 4 training prompts" in caplog.text
+    caplog.clear()
+    write_hints(path, [(r["prompt_id"], 1, "add first .") for r in rows[:2]])
+    with caplog.at_level("WARNING", logger="sage_core.hints"):
+        TeacherHints(str(path)).prepare(rows, ctx)
+    assert caplog.text == ""
+
+
+def test_hints_written_for_another_problem_under_the_same_id_are_ignored(tmp_path, caplog):
+    """Synthetic prompt ids do not name the difficulty: hints written for the easy problems of a seed, with their
+    problem_sha, are not used for its hard problems (a warning counts them); rows without problem_sha are matched by
+    prompt id alone, as before."""
+    from sage_core.data import synthetic_rows
+
+    easy, hard = synthetic_rows(4, seed=0, difficulty="easy"), synthetic_rows(4, seed=0, difficulty="hard")
+    assert [r["prompt_id"] for r in easy] == [r["prompt_id"] for r in hard]
+    path = tmp_path / "teacher.jsonl"
+    ctx = HintContext(generate=ScriptedModel([]))
+    hints = [(r["prompt_id"], 1, "add first .") for r in easy]
+    write_hints(path, hints, {r["prompt_id"]: problem_sha(r["problem"]) for r in easy})
+    src = TeacherHints(str(path))
+    src.prepare(easy, ctx)
+    assert src.get([req("syn-0-0", 1)], ctx)[0].text == "add first ."
+    with pytest.raises(DataError, match=r"cover none of the 4 training prompts.*; 4 hints were written for other "
+                                        r"problems under the same ids"):
+        TeacherHints(str(path)).prepare(hard, ctx)
+    write_hints(path, [*hints, ("syn-0-0", 2, "a step .")], {r["prompt_id"]: problem_sha(r["problem"])
+                                                             for r in easy[1:]})
+    src = TeacherHints(str(path))
+    with caplog.at_level("WARNING", logger="sage_core.hints"):
+        src.prepare(hard, ctx)
+    assert "3 hints were written for another problem under the same prompt id" in caplog.text
+    assert [r.text for r in src.get([req(r["prompt_id"], 1) for r in hard], ctx)] == ["add first .", *[None] * 3]
+    assert src.get([req("syn-0-0", 2)], ctx)[0].text == "a step ."
 
 
 def test_hint_levels_as_numeric_strings_or_whole_floats_read_back_as_ints(tmp_path):
@@ -372,3 +451,29 @@ def test_sage_hints_writes_a_teachers_hints_file_that_a_stopped_run_resumes(monk
     assert "    3        0       4       0" in shown
     assert cli.main([*args, "--teacher", "http://127.0.0.1:9/v1"]) == 2  # the file is there: not written over
     assert "exists; give another path, or --force" in capsys.readouterr().err
+
+
+def test_sage_hints_resumes_only_the_hints_written_for_the_same_problems(monkeypatch, tmp_path, capsys):
+    """A FILE.partial.jsonl left by a run on easy problems has the same prompt ids as the hard problems of that seed:
+    `sage hints` for the hard ones keeps only the hints whose problem_sha is a hard problem's, asks again for the
+    others (saying how many), and writes each hint with its problem's problem_sha."""
+    from sage_core import cli
+    from sage_core.data import synthetic_rows
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    easy, hard = synthetic_rows(3, seed=0, difficulty="easy"), synthetic_rows(3, seed=0, difficulty="hard")
+    shas = {r["prompt_id"]: problem_sha(r["problem"]) for r in hard}
+    out = tmp_path / "teacher.jsonl"
+    write_hints(tmp_path / "teacher.partial.jsonl", [("syn-0-0", 1, "hard hint ."), ("syn-0-1", 1, "easy hint ."),
+                                                     ("syn-0-2", 1, "old hint .")],
+                {"syn-0-0": shas["syn-0-0"], "syn-0-1": problem_sha(easy[1]["problem"])})
+    with _ChatEndpoint(lambda body: (200, "Work from left to right .")) as teacher:
+        assert cli.main(["hints", "--set", "num_prompts=3", "--set", "prompts_per_step=3", "--set", "difficulty=hard",
+                         "--levels", "1", "--out", str(out), "--teacher", teacher.url]) == 0
+    assert len(teacher.bodies) == 2  # syn-0-1 (another problem's hint) and syn-0-2 (no problem_sha)
+    shown = capsys.readouterr().out
+    assert "resuming: 1 hints already in" in shown and "; 2 others there were not written for this spec's" in shown
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["prompt_id"], r["hint"], r["problem_sha"]) for r in rows} == {
+        ("syn-0-0", "hard hint .", shas["syn-0-0"]), ("syn-0-1", "Work from left to right .", shas["syn-0-1"]),
+        ("syn-0-2", "Work from left to right .", shas["syn-0-2"])}
