@@ -43,7 +43,7 @@ LIGHT_COLUMNS = ["step", "prompt_id", "difficulty", "base_pass_rate", "base_stat
 DETAIL_COLUMNS = ["step", "prompt_id", "problem", "answer", "difficulty", "base_pass_rate", "base_state", "level",
                   "max_level_tried", "pass_rate", "rescued", "hint", "hint_l1", "hint_l2", "hint_l3", "acc_l1",
                   "acc_l2", "acc_l3", "leak_l1", "leak_l2", "leak_l3", "hint_failed", "rollouts", "completions",
-                  "rewards", "method"]
+                  "rewards", "method", "trained", "origin_id"]
 GATE_METRICS = ["sage/frac_all_zero", "sage/frac_all_one", "sage/frac_rescued", "sage/frac_open", "sage/adv_energy"]
 METRIC_LABELS = {
     "sage/frac_all_zero": "collapsed all-0 (before hints)",
@@ -279,6 +279,8 @@ def _defaults(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
             continue
         if col in ("rescued", "hint_failed", "leak_l1", "leak_l2", "leak_l3"):
             df[col] = False
+        elif col == "trained":  # written since dapo-filter's swapped-out prompts got rows: every older row was
+            df[col] = True
         elif col in ("level", "max_level_tried", "rollouts", "difficulty"):
             df[col] = -1 if col == "difficulty" else 0
         elif col in ("base_pass_rate", "pass_rate", "acc_l1", "acc_l2", "acc_l3"):

@@ -312,6 +312,42 @@ def test_explorer_shows_hint_levels_and_leaks(monkeypatch, dashboard_store):
     assert set(_frame(at, "collapsed")["prompt_id"]) == set(fr.loc[fr["base_state"] == "all1", "prompt_id"])
 
 
+def test_explorer_says_a_swapped_out_prompt_was_not_trained(monkeypatch, tmp_path):
+    """dapo-filter's tracker rows: the swapped-out prompt (trained False) and the one trained in its slot."""
+    import json
+
+    from mlflow.entities import Param
+
+    try:
+        from tests.dashboard_fixtures import _experiment, _spec_params, _store
+    except ImportError:
+        from dashboard_fixtures import _experiment, _spec_params, _store
+
+    uri, client = _store(tmp_path)
+    exp = _experiment(client, tmp_path, "dapo")
+    rid = client.create_run(exp, run_name="dapo", tags={"sage.kind": "train", "sage.method": "dapo-filter"}).info.run_id
+    client.log_batch(rid, params=[Param(k, v) for k, v in _spec_params(method="dapo-filter", num_generations=4).items()])
+    base = {"step": 1, "problem": "q", "answer": "3", "difficulty": 2, "base_state": "all0", "level": 0,
+            "max_level_tried": 0, "rescued": False, "hint": None, "hint_l1": None, "hint_l2": None, "hint_l3": None,
+            "acc_l1": None, "acc_l2": None, "acc_l3": None, "leak_l1": False, "leak_l2": False, "leak_l3": False,
+            "hint_failed": False, "rollouts": 4, "completions": ["x"] * 4, "method": "dapo-filter", "origin_id": "a"}
+    rows = [{**base, "prompt_id": "a", "base_pass_rate": 0.0, "pass_rate": 0.0, "rewards": [0.0] * 4,
+             "pilot_rewards": [0.0] * 4, "trained": False},
+            {**base, "prompt_id": "b", "base_pass_rate": 0.0, "pass_rate": 0.0,  # the last swap: trained, no luck
+             "rewards": [0.0] * 4, "pilot_rewards": [0.0] * 4, "trained": True}]
+    (tmp_path / "tracker").mkdir()
+    pd.DataFrame(rows).to_parquet(tmp_path / "tracker" / "step_000001.parquet", index=False)
+    client.log_artifacts(rid, str(tmp_path / "tracker"), "tracker")
+    (tmp_path / "spec.json").write_text(json.dumps({"method": "dapo-filter"}))
+    client.set_terminated(rid, "FINISHED")
+    at = _ok(_app(monkeypatch, uri).run())
+    _ok(at.switch_page(PAGES["explorer"]).run())
+    for pid, says in (("a", "swapped out"), ("b", "trained on level")):
+        _ok(at.selectbox(key="explorer_prompt").set_value(pid).run())
+        step_line = next(m.value for m in at.markdown if m.value.startswith("**Step 1**"))
+        assert says in step_line, step_line
+
+
 def test_variants_page_compares_the_study(monkeypatch, dashboard_store):
     s = dashboard_store
     at = _ok(_app(monkeypatch, s["uri"]).run())

@@ -109,9 +109,14 @@ step = st.selectbox("Step", choices, index=choices.index(default), key=f"explore
                     format_func=lambda s: f"{s}" + ("  (collapsed)" if s in collapsed_steps else ""))
 d = detail[detail["step"] == step].iloc[0]
 
-st.markdown(f"**Step {step}** · no-hint group: `{d['base_state']}` · trained on level **{int(d['level'])}** "
-            f"(tried up to {int(d['max_level_tried'])}) · final pass rate {float(d['pass_rate']):.2f}"
-            + (" · rescued" if bool(d["rescued"]) else "") + (" · hint failed" if bool(d["hint_failed"]) else ""))
+trained = d["trained"]  # None or NaN in rows written before the column: every row was trained then
+if trained is not None and not pd.isna(trained) and not trained:
+    st.markdown(f"**Step {step}** · no-hint group: `{d['base_state']}` · **swapped out** for a fresh prompt of the "
+                f"train set (its slot's prompt: `{d['origin_id']}`), not trained · pass rate {float(d['pass_rate']):.2f}")
+else:
+    st.markdown(f"**Step {step}** · no-hint group: `{d['base_state']}` · trained on level **{int(d['level'])}** "
+                f"(tried up to {int(d['max_level_tried'])}) · final pass rate {float(d['pass_rate']):.2f}"
+                + (" · rescued" if bool(d["rescued"]) else "") + (" · hint failed" if bool(d["hint_failed"]) else ""))
 hint_rows = []
 for k in (1, 2, 3):
     h = d.get(f"hint_l{k}")
