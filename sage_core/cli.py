@@ -402,12 +402,26 @@ def cmd_spec(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_gpus(value: str | None) -> list[int] | None:
+def _parse_gpus(value: str | None) -> list | None:
+    """--gpus: a count takes the first N GPUs this process may use (CUDA_VISIBLE_DEVICES as a scheduler set it,
+    which may name GPUs 4-7 or UUIDs; without it, GPUs 0..N-1, also to plan a launch elsewhere with --dry-run);
+    ids (0,1,2, or 3, for one) are taken as given."""
     if value is None:
         return None
     value = value.strip()
     if value.isdigit() and "," not in value:
-        return list(range(int(value)))
+        from .launch import visible_gpus
+
+        n = int(value)
+        if n < 1:
+            raise SpecError(f"--gpus {value}: no CUDA GPU in a count of 0 (for the GPU with id 0 write --gpus 0,)")
+        if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+            return list(range(n))
+        seen = visible_gpus()
+        if n > len(seen):
+            raise SpecError(f"--gpus {n}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} lets this "
+                            f"process use {len(seen)} GPU(s)")
+        return seen[:n]
     try:
         return [int(x) for x in value.split(",") if x.strip()]
     except ValueError:

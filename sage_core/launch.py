@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .spec import RunSpec
+from .spec import RunSpec, layout_error
 
 AccelerateConfig = Literal["zero3", "fsdp", "multi_gpu", "single_gpu"]
 ACCELERATE_CONFIGS: tuple[str, ...] = ("zero3", "fsdp", "multi_gpu", "single_gpu")
@@ -73,16 +73,11 @@ def rows_per_step(spec: RunSpec) -> int:
 
 
 def check_divisible(spec: RunSpec, num_processes: int) -> None:
-    """Every rank must get the same number of completions (TRL splits the generation batch evenly and SAGE's
-    re-roll keeps per-rank counts equal), so prompts_per_step x num_generations must divide by the ranks."""
-    rows = rows_per_step(spec)
-    if num_processes < 1:
-        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
-    if rows % num_processes:
-        raise ValueError(
-            f"prompts_per_step x num_generations = {spec.prompts_per_step} x {spec.num_generations} = {rows} "
-            f"completions per step do not split over {num_processes} training processes; choose "
-            f"prompts_per_step so that the product is a multiple of {num_processes}")
+    """Every rank must get the same rows, whole prompt groups, in micro-batches that split evenly
+    (`spec.layout_error`, the rule each rank's trainer checks again): refused here, before anything starts."""
+    if (why := layout_error(spec, num_processes)) is not None:
+        raise ValueError(f"{why}; choose prompts_per_step so that prompts_per_step x num_generations is a multiple "
+                         f"of {num_processes} (and micro_batch_size, updates_per_generation split each process's rows)")
 
 
 def default_config(num_processes: int) -> str:
@@ -142,7 +137,11 @@ def accelerate_command(spec: RunSpec, *, config: str = "zero3", num_processes: i
         raise ValueError(f"config 'single_gpu' runs one process, got num_processes={num_processes}; "
                          "use 'zero3', 'fsdp' or 'multi_gpu'")
     check_divisible(spec, num_processes)
-    cmd = [_venv_script("accelerate"), "launch", "--config_file", str(path), "--num_processes", str(num_processes)]
+    # the configs say bf16, and accelerate exports it to the ranks, where only bf16=True/fp16=True overrides it:
+    # bf16=False would still train in bf16 without this flag
+    precision = "no" if spec.bf16 is False else "bf16"
+    cmd = [_venv_script("accelerate"), "launch", "--config_file", str(path), "--num_processes", str(num_processes),
+           "--mixed_precision", precision]
     if main_process_port is not None:
         cmd += ["--main_process_port", str(main_process_port)]
     cmd += ["-m", "sage_core.cli", "train", "--spec", str(spec_path), "--output-dir", str(output_dir),
@@ -227,13 +226,15 @@ def plan_layout(spec: RunSpec, n_gpus: int, *, vllm_mode: str | None = None, ser
         raise ValueError(f"vLLM server mode needs at least {server_gpus + 1} GPUs ({server_gpus} for the server, "
                          f"1 to train), found {n_gpus}; use vllm_mode='colocate' on a single GPU")
     serve, rest = ids[:server_gpus], ids[server_gpus:]
-    rows = rows_per_step(spec)
-    k = max(d for d in range(1, len(rest) + 1) if rows % d == 0)
+    fits = [d for d in range(1, len(rest) + 1) if layout_error(spec, d) is None]
+    if not fits:
+        raise ValueError(f"{layout_error(spec, 1)}: no count of trainers up to {len(rest)} fits")
+    k = max(fits)
     notes: tuple[str, ...] = ()
     if k < len(rest):
-        note = (f"{rows} completions per step do not split over {len(rest)} trainers: using {k}, "
-                f"GPU {list(rest[k:])} idle (set prompts_per_step so that prompts_per_step x num_generations "
-                f"is a multiple of {len(rest)})")
+        note = (f"{len(rest)} trainers do not fit ({layout_error(spec, len(rest))}): using {k}, GPU "
+                f"{list(rest[k:])} idle (set prompts_per_step so that prompts_per_step x num_generations is a "
+                f"multiple of {len(rest)})")
         notes = (note,)
     return GpuLayout(mode="server", train_gpus=rest[:k], server_gpus=serve, notes=notes)
 
@@ -302,7 +303,7 @@ def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId] 
     updates: dict[str, object] = {}
     if spec.use_vllm:
         updates["vllm_mode"] = layout.mode
-    if server_url and not spec.vllm_server_base_url:
+    if server_url:  # the server this launch starts, whatever URL an earlier launch's spec carried
         updates["vllm_server_base_url"] = server_url
     run_spec = spec.model_copy(update=updates) if updates else spec
     run_spec = RunSpec.model_validate(run_spec.model_dump())  # re-validate after the update
@@ -317,12 +318,28 @@ def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId] 
     server_cmd = server_env = None
     if layout.mode == "server":
         # bound to loopback: launch() runs the server and the trainers on the same node
-        server_cmd = vllm_server_command(spec.model, tp=layout.server_tp, port=port, gpu_mem=server_gpu_mem,
+        server_cmd = vllm_server_command(served_model(spec), tp=layout.server_tp, port=port, gpu_mem=server_gpu_mem,
                                          host="127.0.0.1", max_model_len=_max_model_len(spec))
         server_env = vllm_server_env(layout.server_gpus, base)
     return LaunchPlan(layout=layout, spec=run_spec, spec_path=spec_path, output_dir=out, train_cmd=train_cmd,
                       train_env=train_env, server_cmd=server_cmd, server_env=server_env,
                       server_url=run_spec.vllm_server_base_url if layout.mode == "server" else None)
+
+
+def served_model(spec: RunSpec) -> str:
+    """What `vllm serve` loads for the spec's model: the tiny model's folder (it is a name only to this project), or
+    the path or HF id as given. GGUF files and LoRA adapter folders (checkpoint-N/, adapter/) are refused: serve a
+    full model (a LoRA run's final/ is the merged one) or use colocate mode."""
+    from .lora import adapter_base
+    from .models import resolve_model_path
+
+    if spec.gguf_file or spec.model == "smollm2" or spec.model.endswith(".gguf"):
+        raise ValueError(f"model {spec.model!r} is a GGUF file: vLLM server mode serves full-precision HF models "
+                         "here; use vllm_mode=colocate or a HF model")
+    if adapter_base(spec.model) is not None:
+        raise ValueError(f"{spec.model} holds LoRA adapters, not a model vllm serve can load: point model at the "
+                         "run's final/ (the merged model) or use vllm_mode=colocate")
+    return resolve_model_path(spec.model)
 
 
 def _max_model_len(spec: RunSpec) -> int | None:

@@ -127,6 +127,31 @@ class RunSpec(BaseModel):
         return self.method in ("sage", "sage-light", "sage-light+ada-seq")
 
 
+def layout_error(spec: RunSpec, world: int) -> str | None:
+    """Why `spec` cannot train on `world` processes, or None when it can: every process rolls out the same number
+    of rows, whole prompt groups only, in micro-batches that divide them, updates_per_generation dividing those (the
+    trainer's config and `sage launch`'s layouts both check this)."""
+    G = spec.num_generations
+    rows = spec.prompts_per_step * G
+    if world < 1:
+        return f"the process count must be >= 1, got {world}"
+    if rows % world:
+        return (f"prompts_per_step x num_generations = {spec.prompts_per_step} x {G} = {rows} rows a step do not "
+                f"split over {world} processes")
+    local = rows // world
+    micro = spec.micro_batch_size or local
+    if local % micro:
+        return f"micro_batch_size ({micro}) must divide the {local} rows each of {world} processes rolls out per step"
+    if (local // micro) % spec.updates_per_generation:
+        return (f"updates_per_generation ({spec.updates_per_generation}) must divide the {local // micro} "
+                f"micro-batches of a step on each of {world} processes")
+    if local % G:
+        return (f"each of {world} processes rolls out {local} rows a step, not a multiple of num_generations ({G}): "
+                "every prompt's group must live on one process; use a prompts_per_step that is a multiple of the "
+                "process count")
+    return None
+
+
 # RunSpec fields a run may change when it continues in its output dir: when it stops and saves, how it is evaluated,
 # where and in how much memory vLLM runs. A change to any other field makes it another run.
 RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "rollout_budget", "eval_k", "eval_num_prompts",

@@ -18,7 +18,7 @@ import pandas as pd
 from transformers import TrainerCallback
 
 from .lora import ADAPTER_DIR, merge_adapter, peft_config
-from .spec import RunSpec, check_run_folder
+from .spec import RunSpec, check_run_folder, layout_error
 
 log = logging.getLogger(__name__)
 
@@ -49,24 +49,13 @@ def build_config(spec: RunSpec, output_dir: str | Path):
 
     from .trainer import SageConfig
 
-    G, world = spec.num_generations, world_size()
-    rows = spec.prompts_per_step * G
-    if rows % world:
-        raise LayoutError(f"prompts_per_step x num_generations = {spec.prompts_per_step} x {G} = {rows} rows a "
-                          f"step do not split over {world} processes")
-    local = rows // world
+    world = world_size()
+    if (why := layout_error(spec, world)) is not None:
+        raise LayoutError(why)
+    G = spec.num_generations
+    local = spec.prompts_per_step * G // world  # rows each process rolls out per step
     micro = spec.micro_batch_size or local
-    if local % micro:
-        raise LayoutError(f"micro_batch_size ({micro}) must divide the {local} rows each of {world} processes rolls "
-                          "out per step")
     steps_per_generation = local // micro
-    if steps_per_generation % spec.updates_per_generation:
-        raise LayoutError(f"updates_per_generation ({spec.updates_per_generation}) must divide the "
-                          f"{steps_per_generation} micro-batches of a step on each of {world} processes")
-    if local % G:
-        raise LayoutError(f"each of {world} processes rolls out {local} rows a step, not a multiple of "
-                          f"num_generations ({G}): every prompt's group must live on one process; use a "
-                          "prompts_per_step that is a multiple of the process count")
     cuda = torch.cuda.is_available()
     bf16 = cuda if spec.bf16 is None else spec.bf16
     vllm_len = None

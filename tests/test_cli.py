@@ -335,11 +335,23 @@ def test_launch_dry_run_prints_commands(capsys, tmp_path, monkeypatch):
     assert re.match(r"CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 (\S*/)?vllm serve Qwen/Qwen2\.5-7B-Instruct ",
                     lines[0]), lines[0]
     assert lines[1].startswith("CUDA_VISIBLE_DEVICES=1,2,3,4,5,6,7 ")
-    assert "--num_processes 7 -m sage_core.cli train --spec" in lines[1]
+    assert "--num_processes 7 --mixed_precision bf16 -m sage_core.cli train --spec" in lines[1]
     assert not (tmp_path / "launch_spec.json").exists()  # dry run writes nothing
     rc, out, _ = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "0,1,2,3,4,5,6,7", "--dry-run",
                          "--output-dir", str(tmp_path))
     assert rc == 0 and "zero3.yaml --num_processes 8" in out and "vllm serve" not in out
+
+
+def test_launch_gpu_count_takes_the_gpus_the_scheduler_gave(capsys, tmp_path, monkeypatch):
+    """SLURM and containers set CUDA_VISIBLE_DEVICES: --gpus 2 means the first 2 of those, not GPUs 0 and 1."""
+    monkeypatch.delenv("SAGE_TRAIN_VENV", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    rc, out, _ = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "2", "--dry-run",
+                         "--output-dir", str(tmp_path))
+    assert rc == 0 and "CUDA_VISIBLE_DEVICES=4,5 " in out
+    rc, _, err = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "6", "--dry-run",
+                         "--output-dir", str(tmp_path))
+    assert rc == 2 and "CUDA_VISIBLE_DEVICES=4,5,6,7 lets this process use 4 GPU(s)" in err
 
 
 def test_launch_layout_errors_exit_2(capsys, tmp_path):

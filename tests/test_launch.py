@@ -174,6 +174,43 @@ def test_plan_server_mode_rewrites_spec_and_envs(tmp_path):
     assert "'{\"backend\": \"nccl\"}'" in shell
 
 
+def test_plan_serves_its_own_server_the_models_folder_and_refuses_what_vllm_cannot_serve(tmp_path, tiny_model_dir):
+    """The server launch starts is the one the trainers use, even when the spec carries an earlier launch's URL;
+    `vllm serve` gets the tiny model's folder (a name only this project knows), never a GGUF or adapters."""
+    spec = preset("qwen2.5-7b", prompts_per_step=112, vllm_server_base_url="http://127.0.0.1:8000")
+    p = L.plan(spec, tmp_path, gpus=list(range(8)), vllm_mode="server", port=8001)
+    assert p.server_url == p.spec.vllm_server_base_url == "http://127.0.0.1:8001"
+    tiny = preset("tiny-cpu", use_vllm=True, vllm_mode="server", prompts_per_step=4)
+    p = L.plan(tiny, tmp_path, gpus=[0, 1])
+    assert p.server_cmd[p.server_cmd.index("serve") + 1] == str(tiny_model_dir)
+    adapters = tmp_path / "checkpoint-3"
+    adapters.mkdir()
+    (adapters / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base"}))
+    for model, says in (("smollm2", "GGUF"), (str(tmp_path / "m.gguf"), "GGUF"), (str(adapters), "LoRA adapters")):
+        with pytest.raises(ValueError, match=says):
+            L.plan(tiny.model_copy(update={"model": model}), tmp_path, gpus=[0, 1])
+
+
+def test_layouts_are_checked_as_the_ranks_check_them():
+    """Launch refused only rows that do not split; the ranks also need whole groups and micro-batches that split
+    (8 GPUs x 4 prompts: 1 micro-batch per rank, updates_per_generation 2: every rank failed at start)."""
+    spec = preset("qwen2.5-7b", prompts_per_step=4)
+    with pytest.raises(ValueError, match=r"updates_per_generation \(2\) must divide the 1 micro-batches"):
+        L.plan_layout(spec, 8)
+    # server mode takes the largest trainer count the ranks accept (3 prompts: 1 or 3 trainers, not 6)
+    lay = L.plan_layout(preset("qwen2.5-7b", prompts_per_step=3, updates_per_generation=1), 8, vllm_mode="server")
+    assert lay.num_processes == 3 and "7 trainers do not fit" in lay.notes[0]
+
+
+def test_accelerate_mixed_precision_follows_bf16():
+    """The configs say bf16 and accelerate exports it to the ranks, where bf16=False does not override it."""
+    def precision(**kw):
+        cmd = L.accelerate_command(RunSpec(**kw), config="single_gpu", num_processes=1, spec_path="s", output_dir="o")
+        return cmd[cmd.index("--mixed_precision") + 1]
+
+    assert (precision(), precision(bf16=True), precision(bf16=False)) == ("bf16", "bf16", "no")
+
+
 def test_plan_colocate_single_gpu(tmp_path):
     p = L.plan(preset("qwen2.5-7b"), tmp_path, gpus=[0])
     assert p.server_cmd is None and p.layout.mode == "colocate"
