@@ -67,11 +67,6 @@ def config_path(config: str) -> Path:
     return config_dir() / f"{config}.yaml"
 
 
-def rows_per_step(spec: RunSpec) -> int:
-    """Completions in one step's generation batch (before any SAGE re-roll): prompts_per_step x G."""
-    return spec.prompts_per_step * spec.num_generations
-
-
 def check_divisible(spec: RunSpec, num_processes: int) -> None:
     """Every rank must get the same rows, whole prompt groups, in micro-batches that split evenly
     (`spec.layout_error`, the rule each rank's trainer checks again): refused here, before anything starts."""

@@ -291,7 +291,7 @@ class SageGRPOTrainer(GRPOTrainer):
                                          [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
                                          [completions[i] for i in idx],
                                          [logprobs[i] for i in idx] if logprobs is not None else None, rpf[idx])]
-        hint_log = {pid: dict(hints_tried={}, leaked=set(), failed=False) for pid, _ in groups}
+        hint_log = {pid: _no_hint_log() for pid, _ in groups}
         for (pid, lvl), res in hints.items():
             _log_hint(hint_log[pid], lvl, res)
 
@@ -604,7 +604,7 @@ class SageGRPOTrainer(GRPOTrainer):
                     comps = [ts[ti].completions[ri] for ti, ri in sel.picks]
                     last, weight, log_ = final, sel.weight, h
                 else:
-                    last, weight, log_ = own[-1], 0.0, dict(hints_tried={}, leaked=set(), failed=False)
+                    last, weight, log_ = own[-1], 0.0, _no_hint_log()
                     final_rewards, comps = last.rewards, last.completions
                 first = own[0]
                 base_state = gate.group_state(first.rewards) if first.level == 0 else "na"
@@ -727,6 +727,12 @@ class EpochSampler(RepeatSampler):
     def __iter__(self):
         self._drawn += 1
         yield from super().__iter__()
+
+
+def _no_hint_log() -> dict:
+    """A group's record of the hints it tried this step (by level), the levels whose hint leaked, and whether a hint
+    failed; empty."""
+    return {"hints_tried": {}, "leaked": set(), "failed": False}
 
 
 def _groups_by_prompt_id(rows: list[dict], G: int) -> list[tuple[str, list[int]]]:
