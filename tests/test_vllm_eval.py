@@ -12,11 +12,12 @@ from sage_core.presets import preset
 
 def test_eval_on_vllm_reads_prompts_with_the_models_own_tokenizer(tiny_model_dir, monkeypatch):
     """No-hint eval through vLLM agrees with the HF path, greedy: vLLM gets token ids from the tokenizer the trainer
-    uses (its own AutoTokenizer load reads the tiny word-level tokenizer as a Qwen2Tokenizer with other ids)."""
+    uses (its own AutoTokenizer load reads the tiny word-level tokenizer as a Qwen2Tokenizer with other ids). Greedy
+    with k=2: vLLM refuses n > 1 when greedy, so one completion is copied k times, as on the HF path."""
     from transformers import AutoTokenizer
 
     from sage_core.data import build_dataset
-    from sage_core.evaluate import _generate_vllm, generate_hf, render_prompt
+    from sage_core.evaluate import _generate_vllm, generate_hf, render_prompt, summarise
     from sage_core.models import load_policy
 
     # the engine in this process: it starts faster. On vLLM's CPU build its KV cache then gets
@@ -30,7 +31,7 @@ def test_eval_on_vllm_reads_prompts_with_the_models_own_tokenizer(tiny_model_dir
     assert auto.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"] != tok.apply_chat_template(
         msgs, add_generation_prompt=True)["input_ids"]  # why vLLM must not tokenize the text itself
     rows = list(build_dataset(preset("tiny-cpu", num_prompts=16, difficulty="easy")))
-    hf = generate_hf(model, tok, [render_prompt(tok, r) for r in rows], k=1, temperature=0.0, max_new_tokens=40)
+    hf = generate_hf(model, tok, [render_prompt(tok, r) for r in rows], k=2, temperature=0.0, max_new_tokens=40)
     import vllm
 
     engines, real_llm = [], vllm.LLM
@@ -40,7 +41,7 @@ def test_eval_on_vllm_reads_prompts_with_the_models_own_tokenizer(tiny_model_dir
         return engines[-1]
 
     monkeypatch.setattr(vllm, "LLM", llm)
-    vl = _generate_vllm("tiny", {"easy": rows}, k=1, temperature=0.0, top_p=1.0, max_new_tokens=40, seed=0,
+    vl = _generate_vllm("tiny", {"easy": rows}, k=2, temperature=0.0, top_p=0.95, max_new_tokens=40, seed=0,
                         gguf_file=None, gpu_memory_utilization=0.3)["easy"]
     # the engine's context is the longest prompt plus the new tokens, not the model's 256
     longest = max(len(tok(render_prompt(tok, r), add_special_tokens=False)["input_ids"]) for r in rows)
@@ -48,6 +49,10 @@ def test_eval_on_vllm_reads_prompts_with_the_models_own_tokenizer(tiny_model_dir
     same = sum(a == b for a, b in zip(hf, vl, strict=True))
     assert same >= 14, list(zip(hf, vl))  # float32 on both sides; a near-tie may tip a greedy token
     assert any("\\boxed" in c[0] for c in vl)
+    assert all(len(c) == 2 and c[0] == c[1] for c in vl)  # the greedy completion, twice
+    greedy = summarise(rows, [c[:1] for c in vl], k=1)["avg_at_k"]
+    res = summarise(rows, vl, k=2)
+    assert res["avg_at_k"] == res["pass_at_k"] == greedy > 0
 
 
 @pytest.mark.slow  # an engine of its own (about 30 s): make test-all runs it
