@@ -138,6 +138,19 @@ def experiments(uri: str) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["experiment_id", "name", "last_update_time"])
 
 
+RESUMED_PREFIX = "sage.resumed."  # sage_core.tracking.RESUMED_PREFIX (a test keeps them equal)
+
+
+def spec_params(params: dict[str, str], tags: dict[str, str]) -> dict[str, str]:
+    """A run's params with the values it trains with: a run reopened with a resumable field changed (max_steps 1 -> 2)
+    keeps its first param (MLflow params cannot change) and holds the new value in a tag `sage.resumed.<field>`, as
+    ``sage_core.tracking.spec_values`` reads them."""
+    out = dict(params)
+    out.update({"sage." + k[len(RESUMED_PREFIX):]: v for k, v in tags.items()
+                if k.startswith(RESUMED_PREFIX) and len(k) > len(RESUMED_PREFIX)})
+    return out
+
+
 RUN_COLUMNS = ["run_id", "run_name", "experiment_id", "status", "start_time", "end_time", "kind", "method",
                "hint_source", "model", "parent_run_id", "artifact_uri", "num_generations", "params", "metrics"]
 
@@ -156,7 +169,7 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
             break
     rows = []
     for r in found:
-        t, p = r.data.tags, r.data.params
+        t, p = r.data.tags, spec_params(r.data.params, r.data.tags)
         ng = p.get("sage.num_generations")
         study = t.get("sage.kind") == "study"  # its method tags are its base spec's; its variants are its children
         rows.append({
@@ -169,7 +182,7 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
             "hint_source": "" if study else t.get("sage.hint_source", p.get("sage.hint_source", "")),
             "model": t.get("sage.model", p.get("sage.model", "")), "parent_run_id": t.get("mlflow.parentRunId", ""),
             "artifact_uri": r.info.artifact_uri, "num_generations": int(ng) if ng and str(ng).isdigit() else None,
-            "params": dict(p), "metrics": dict(r.data.metrics),
+            "params": p, "metrics": dict(r.data.metrics),
         })
     df = pd.DataFrame(rows, columns=RUN_COLUMNS)
     for col in ("start_time", "end_time"):  # a column of NaT only (every run still running) is tz-aware too

@@ -109,6 +109,13 @@ def test_run_resumed_with_a_changed_spec_describes_the_new_spec(store, tmp_path)
     run = c.get_run(rid)
     assert run.data.tags["sage.resumed.max_steps"] == "3" and run.data.tags["sage.resumed.eval_k"] == "2"
     assert run.data.tags["sage.spec_key"] == three.key() and tracking.spec_values(run) == tracking.spec_params(three)
+    # the dashboard, which reads runs without importing sage_core.tracking, shows the same values
+    from dashboards import data as D
+
+    assert D.RESUMED_PREFIX == tracking.RESUMED_PREFIX
+    shown = D.spec_params(run.data.params, run.data.tags)
+    assert shown["sage.max_steps"] == "3" and shown["sage.eval_k"] == "2"
+    assert {k: v for k, v in shown.items() if k.startswith("sage.")} == tracking.spec_values(run)
     # back to the created spec's values: the tags that explained the params go
     tracking.resume_or_create_run(one, "train", out, experiment=exp)
     run = c.get_run(rid)
