@@ -73,7 +73,7 @@ def resolve_benchmarks(spec: RunSpec, benchmarks: dict[str, str] | None) -> dict
     """User benchmark files {name: path} read into rows, else the spec's held-out set. The rows are formatted as the
     spec's training rows (the spec's model decides the system turn) and, being the eval task's inputs, key its
     cache by their content: a file changed under the same name is evaluated again."""
-    from sage_core.data import _system_prompt_for, load_benchmark
+    from sage_core.data import system_prompt_for, load_benchmark
 
     if not benchmarks:
         return default_benchmarks(spec)
@@ -84,7 +84,7 @@ def resolve_benchmarks(spec: RunSpec, benchmarks: dict[str, str] | None) -> dict
             p = tracking.REPO_ROOT / p if (tracking.REPO_ROOT / p).exists() else p.resolve()
         if not p.exists():
             raise FileNotFoundError(f"benchmark {name!r}: {path} does not exist")
-        out[name] = load_benchmark(str(p), system_prompt=_system_prompt_for(spec)).to_list()
+        out[name] = load_benchmark(str(p), system_prompt=system_prompt_for(spec)).to_list()
     return out
 
 

@@ -256,11 +256,11 @@ def benchmark_rows(spec, path: str):
     """Rows of one benchmark: 'synthetic' -> the held-out synthetic eval rows of the spec, else a .parquet/.jsonl
     file, or a data set's test split (sage_core.data.load_benchmark), cut to spec.eval_num_prompts rows. The spec's
     model decides the system turn (none for 'tiny', the paper's prompt otherwise), as in training."""
-    from .data import _system_prompt_for, eval_rows, load_benchmark
+    from .data import system_prompt_for, eval_rows, load_benchmark
 
     if path == "synthetic":
         return eval_rows(spec)
-    return load_benchmark(path, limit=spec.eval_num_prompts, system_prompt=_system_prompt_for(spec))
+    return load_benchmark(path, limit=spec.eval_num_prompts, system_prompt=system_prompt_for(spec))
 
 
 def check_eval_output(path: str | None) -> None:

@@ -493,14 +493,14 @@ def load_rows(source: str, split: str = "train", limit: int | None = None, syste
     return to_dataset(normalise_records(records, name, system_prompt))
 
 
-def _system_prompt_for(spec: Any) -> str | None:
+def system_prompt_for(spec: Any) -> str | None:
     """The tiny model is trained without a system turn; real instruct models get the paper's system prompt."""
     return None if getattr(spec, "model", "tiny") == "tiny" else prompts.SYSTEM_PROMPT
 
 
 def build_dataset(spec: Any):
     """The training rows of a RunSpec (synthetic: spec.num_prompts rows of spec.difficulty with spec.seed)."""
-    system = _system_prompt_for(spec)
+    system = system_prompt_for(spec)
     if spec.data == "synthetic":
         return to_dataset(synthetic_rows(spec.num_prompts, seed=spec.seed, difficulty=spec.difficulty,
                                          system_prompt=system))
@@ -540,7 +540,7 @@ def eval_rows(spec: Any):
     A file: the rows after the first spec.num_prompts (the training rows). An HF name: its 'test' or 'validation'
     split.
     """
-    system = _system_prompt_for(spec)
+    system = system_prompt_for(spec)
     n = spec.eval_num_prompts
     if spec.data == "synthetic":
         train = {r["problem"] for r in synthetic_rows(spec.num_prompts, seed=spec.seed, difficulty=spec.difficulty)}
