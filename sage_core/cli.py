@@ -256,7 +256,7 @@ def benchmark_rows(spec, path: str):
     """Rows of one benchmark: 'synthetic' -> the held-out synthetic eval rows of the spec, else a .parquet/.jsonl
     file, or a data set's test split (sage_core.data.load_benchmark), cut to spec.eval_num_prompts rows. The spec's
     model decides the system turn (none for 'tiny', the paper's prompt otherwise), as in training."""
-    from .data import system_prompt_for, eval_rows, load_benchmark
+    from .data import eval_rows, load_benchmark, system_prompt_for
 
     if path == "synthetic":
         return eval_rows(spec)
@@ -345,14 +345,15 @@ def cmd_hints(args: argparse.Namespace) -> int:
     if args.chunk < 1:
         raise SpecError(f"--chunk {args.chunk}: at least 1")
     from .data import build_dataset
-    from .hints import HintContext, HintRequest, TeacherHints, problem_sha, read_hints_and_shas, write_hints
+    from .hints import (HintContext, HintRequest, TeacherHints, pick_hints, problem_sha, read_hint_variants,
+                        write_hints)
 
     rows = build_dataset(spec)
     shas = {r["prompt_id"]: problem_sha(r["problem"]) for r in rows}
-    done, done_shas = read_hints_and_shas(partial) if partial.exists() else ({}, {})
-    stale = [k for k in done if k[0] not in shas or done_shas.get(k) != shas[k[0]]]  # another spec's problems
-    for k in stale:
-        del done[k]
+    # another spec's problems, or hints without problem_sha: asked again
+    variants = read_hint_variants(partial) if partial.exists() else {}
+    done, stale = pick_hints({k: v for k, v in variants.items() if k[0] in shas}, shas, loose=False)
+    stale += [k for k in variants if k[0] not in shas]
     if done or stale:
         print(f"resuming: {len(done)} hints already in {partial}"
               + (f"; {len(stale)} others there were not written for this spec's problems (their problem_sha differs "

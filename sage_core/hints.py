@@ -286,12 +286,13 @@ class TeacherHints(CachedHints):
         self.teacher, self.model, self.max_new_tokens = teacher, model, max_new_tokens
         self._generate: GenerateFn | None = None
         self.file: Path | None = None
-        self.shas: dict[tuple[str, int], str] = {}  # the problem_sha of the file's hints that carry one
+        self.variants: HintVariants = {}  # the file's hints by problem_sha (prepare picks the training problems')
         if teacher.endswith((".jsonl", ".json", ".parquet")):
             self.file = Path(teacher)
             if not self.file.exists():
                 raise MissingDataFile(f"teacher hints file not found: {teacher}")
-            self.hints, self.shas = read_hints_and_shas(self.file)
+            self.variants = read_hint_variants(self.file)
+            self.hints = pick_hints(self.variants)[0]
         elif teacher.startswith(("http://", "https://")):
             self._generate = _openai_generate(teacher, model)
         else:
@@ -305,9 +306,8 @@ class TeacherHints(CachedHints):
         if self.file is None:
             return
         want = {str(r["prompt_id"]): problem_sha(r["problem"]) for r in rows}
-        stale = [k for k, sha in self.shas.items() if k[0] in want and sha != want[k[0]]]
-        for k in stale:
-            del self.hints[k]
+        self.hints, stale = pick_hints(self.variants, want)
+        stale = [k for k in stale if k[0] in want]
         if stale:
             log.warning("%s: %d hints were written for another problem under the same prompt id (their problem_sha "
                         "differs); they are ignored", self.file, len(stale))
@@ -415,18 +415,22 @@ def problem_sha(problem: str) -> str:
 
 
 def read_hints(path: Path) -> dict[tuple[str, int], str]:
-    """Read a hints file: rows with prompt_id, level (1..3) and hint (see read_hints_and_shas)."""
-    return read_hints_and_shas(path)[0]
+    """Read a hints file: rows with prompt_id, level (1..3) and hint (see read_hint_variants). Where one prompt id and
+    level has hints for several problems (problem_sha), only a hint written without problem_sha is taken."""
+    return pick_hints(read_hint_variants(path))[0]
 
 
-def read_hints_and_shas(path: Path) -> tuple[dict[tuple[str, int], str], dict[tuple[str, int], str]]:
-    """The hints of a hints file, and the problem_sha of those whose row carries one. Bad rows raise a DataError
-    naming the row (counted from 0) or, for a line that is not JSON, the line (counted from 1); so do two different
-    hints for one prompt and level. A null or blank hint is a missing one (counted in a warning), never an empty
-    hint that would be used."""
+HintVariants = dict[tuple[str, int], dict[str | None, str]]  # (prompt id, level) -> problem_sha or None -> hint
+
+
+def read_hint_variants(path: Path) -> HintVariants:
+    """The hints of a hints file by (prompt id, level), each by the problem_sha its row carries (None: none). One
+    file may hold hints for several problems under one prompt id (`sage hints` outputs of several specs joined:
+    synthetic ids repeat across difficulties). Bad rows raise a DataError naming the row (counted from 0) or, for a
+    line that is not JSON, the line (counted from 1); so do two different hints for one prompt, level and problem. A
+    null or blank hint is a missing one (counted in a warning), never an empty hint that would be used."""
     records, _ = read_records(str(path), "hints")  # .jsonl, .json or .parquet, with the data loader's errors
-    hints: dict[tuple[str, int], str] = {}
-    shas: dict[tuple[str, int], str] = {}
+    out: HintVariants = {}
     blank = 0
     for i, rec in enumerate(records):
         missing = {"prompt_id", "level", "hint"} - set(rec)
@@ -443,15 +447,36 @@ def read_hints_and_shas(path: Path) -> tuple[dict[tuple[str, int], str], dict[tu
             blank += 1
             continue
         key, text = (str(rec["prompt_id"]), level), str(rec["hint"])
-        if hints.setdefault(key, text) != text:
-            raise DataError(f"{path}: row {i} gives prompt {key[0]!r} level {level} a second hint, different from "
-                            f"the first ({hints[key][:60]!r}, then {text[:60]!r}); keep one")
-        if not _is_blank(rec.get("problem_sha")):
-            shas[key] = str(rec["problem_sha"])
+        sha = None if _is_blank(rec.get("problem_sha")) else str(rec["problem_sha"])
+        variants = out.setdefault(key, {})
+        if variants.setdefault(sha, text) != text:
+            raise DataError(f"{path}: row {i} gives prompt {key[0]!r} level {level}"
+                            + (f" (problem_sha {sha})" if sha else "") + " a second hint, different from the first "
+                            f"({variants[sha][:60]!r}, then {text[:60]!r}); keep one")
     if blank:
         log.warning("%s: %d of %d rows have a null or blank hint; those hints count as missing", path, blank,
                     len(records))
-    return hints, shas
+    return out
+
+
+def pick_hints(variants: HintVariants, shas: dict[str, str] | None = None,
+               loose: bool = True) -> tuple[dict[tuple[str, int], str], list[tuple[str, int]]]:
+    """One hint per (prompt id, level): for a prompt id `shas` names the problem of, the hint written for that
+    problem, else (`loose`) one written without problem_sha; for other ids a hint written without problem_sha, or the
+    only one there is. Returns the hints and the keys left out because their hints were written for other problems."""
+    hints: dict[tuple[str, int], str] = {}
+    stale: list[tuple[str, int]] = []
+    for key, by_sha in variants.items():
+        want = (shas or {}).get(key[0])
+        if want is not None:
+            text = by_sha.get(want) or (by_sha.get(None) if loose else None)
+        else:
+            text = by_sha.get(None) or (next(iter(by_sha.values())) if len(by_sha) == 1 else None)
+        if text is not None:
+            hints[key] = text
+        else:
+            stale.append(key)
+    return hints, stale
 
 
 def write_hints(path: Path, hints: Sequence[tuple[str, int, str]], shas: dict[str, str] | None = None) -> None:

@@ -267,6 +267,32 @@ def test_hints_written_for_another_problem_under_the_same_id_are_ignored(tmp_pat
     assert src.get([req("syn-0-0", 2)], ctx)[0].text == "a step ."
 
 
+def test_one_hints_file_holds_hints_for_several_problems_under_one_id(tmp_path):
+    """`sage hints` outputs for the easy and the hard problems of one seed joined into one file: the same prompt ids
+    and levels, each hint with its problem's problem_sha. Training on either picks its own problems' hints; two
+    different hints for one id, level and problem are still refused, naming the problem_sha."""
+    from sage_core.data import synthetic_rows
+
+    easy, hard = synthetic_rows(3, seed=0, difficulty="easy"), synthetic_rows(3, seed=0, difficulty="hard")
+    path, ctx = tmp_path / "both.jsonl", HintContext(generate=ScriptedModel([]))
+    write_hints(tmp_path / "easy.jsonl", [(r["prompt_id"], 1, f"easy {i} .") for i, r in enumerate(easy)],
+                {r["prompt_id"]: problem_sha(r["problem"]) for r in easy})
+    write_hints(tmp_path / "hard.jsonl", [(r["prompt_id"], 1, f"hard {i} .") for i, r in enumerate(hard)],
+                {r["prompt_id"]: problem_sha(r["problem"]) for r in hard})
+    path.write_text((tmp_path / "easy.jsonl").read_text() + (tmp_path / "hard.jsonl").read_text())
+    for rows, kind in ((easy, "easy"), (hard, "hard")):
+        src = TeacherHints(str(path))
+        src.prepare(rows, ctx)
+        got = [r.text for r in src.get([req(r["prompt_id"], 1) for r in rows], ctx)]
+        assert got == [f"{kind} {i} ." for i in range(3)]
+    assert read_hints(path) == {}  # with no training problems to match, an id with hints for two problems has none
+    clash = {"prompt_id": "syn-0-0", "level": 1, "hint": "other .", "problem_sha": problem_sha(hard[0]["problem"])}
+    path.write_text(path.read_text() + json.dumps(clash) + "\n")
+    with pytest.raises(DataError, match=rf"row 6 gives prompt 'syn-0-0' level 1 \(problem_sha "
+                                        rf"{clash['problem_sha']}\) a second hint"):
+        TeacherHints(str(path))
+
+
 def test_hint_levels_as_numeric_strings_or_whole_floats_read_back_as_ints(tmp_path):
     path = tmp_path / "ok.jsonl"
     path.write_text('{"prompt_id": "a", "level": "2", "hint": "x"}\n{"prompt_id": 7, "level": 3.0, "hint": "y"}\n')
