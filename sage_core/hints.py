@@ -111,6 +111,72 @@ def _values(text: str) -> set[Fraction]:
     return out
 
 
+# Numbers written in words: cardinals (seventeen, forty-two, two hundred and five, 3 thousand is digits + word),
+# "negative" before one, and fractions (two thirds, one half, a quarter, three fifths). "one" and "a" alone are not
+# read as 1 (no one, one of them, a step): only in a compound (twenty-one, one hundred) or before a fraction's
+# denominator; ordinals alone (the third step) are not numbers.
+_UNITS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
+    "eighteen nineteen".split())}
+_TENS = {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), start=2)}
+_SCALES = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
+_DENOMINATORS = {"half": 2, "halves": 2, "third": 3, "quarter": 4, "fourth": 4, "fifth": 5, "sixth": 6, "seventh": 7,
+                 "eighth": 8, "ninth": 9, "tenth": 10}
+_CARDINAL = "|".join([*_UNITS, *_TENS, *_SCALES])
+_WORD_NUMBER = re.compile(
+    rf"\b(?:(negative|minus)\s+)?((?:{_CARDINAL}|a)(?:(?:\s+and\s+|[\s-]+)(?:{_CARDINAL}))*)"
+    rf"(?:[\s-]+({'|'.join(_DENOMINATORS)})s?)?\b", re.IGNORECASE)
+
+
+def _cardinal(words: list[str]) -> int | None:
+    """The value of cardinal number words (["two", "hundred", "five"] -> 205); None for a sequence that is not one
+    number (two three)."""
+    total, current, last = 0, 0, None
+    for w in words:
+        if w in _UNITS or w in _TENS:
+            v = _UNITS.get(w, _TENS.get(w))
+            if last is not None and last not in _SCALES and not (last in _TENS and w in _UNITS and 0 < v < 10):
+                return None  # "two three", "twenty thirty", "twelve five": two numbers, not one
+            current += v
+        else:
+            if current == 0:
+                current = 1  # "hundred" alone, as in "a hundred"
+            if w == "hundred":
+                current *= 100
+            else:
+                total += current * _SCALES[w]
+                current = 0
+        last = w
+    return total + current
+
+
+def _word_values(text: str) -> set[Fraction]:
+    """The values of the numbers `text` writes in words (see _WORD_NUMBER), each in every reading: "two thirds" is 2/3
+    and also 2, "negative five" is -5 and also 5."""
+    out: set[Fraction] = set()
+    for m in _WORD_NUMBER.finditer(text):
+        sign, body, denominator = m.group(1), m.group(2).lower(), m.group(3)
+        words = [w for w in re.split(r"[\s-]+", body) if w != "and"]
+        article = words[0] == "a"  # "a third": 1/3, and no reading as 1
+        if article:
+            words = words[1:] or ["one"]
+            if words == ["one"] and not denominator:
+                continue
+        elif words == ["one"] and not denominator:
+            continue
+        value = _cardinal(words)
+        if value is None:  # several numbers in a row (ten and five): each word its own number
+            found = {Fraction(_UNITS.get(w, _TENS.get(w))) for w in words if w != "one" and w not in _SCALES}
+        else:
+            found = set() if article and words == ["one"] else {Fraction(value)}
+            if denominator:
+                found.add(Fraction(value, _DENOMINATORS[denominator.lower()]))
+        if sign and sign.lower() == "negative":
+            found |= {-v for v in found}
+        out |= found
+    return out
+
+
 def _answer_value(answer: str) -> Fraction | None:
     """The answer's value where the answer is one number (17, 9.0, 0.5, 1,234, 3/4, -\\frac{3}{4}, \\frac{-3}{4};
     also with LaTeX thin spaces, a percent sign, a degree sign, an escaped dollar sign, a unit after it as in
@@ -137,15 +203,15 @@ def _mentions(text: str, answer: str) -> bool:
 def leaks(hint: str, answer: str) -> bool:
     """True when the hint reveals the final answer: it contains a \\boxed{} answer, or the gold answer itself. A
     numeric answer is matched by value in any form a number is written in (9 and 9.0; 0.5, 1/2 and \\frac{1}{2}; 1234
-    and 1,234; 5\\text{ cm} as 5) as a standalone number: "19" does not reveal 9, and "12 - 3" is a step, not the
-    answer. Any other answer is matched as text in one typesetting (spaces, $ and \\text{} wrappers dropped), as a
+    and 1,234; 5\\text{ cm} as 5; forty-two, two thirds, negative five in words) as a standalone number: "19" does
+    not reveal 9, and "12 - 3" is a step, not the answer. Any other answer is matched as text in one typesetting (spaces, $ and \\text{} wrappers dropped), as a
     token of its own where it starts or ends with a letter or digit."""
     if "\\boxed" in hint:
         return True
     answer = str(answer)
     value = _answer_value(answer)
     if value is not None:
-        return value in _values(hint)
+        return value in _values(hint) or value in _word_values(hint)
     ans = re.sub(r"\s", "", re.sub(_TEXT, r"\1", _clean(answer)))
     ans = re.sub(r"^\((\w)\)$", r"\1", ans)  # a choice: (C) is also written C
     return bool(ans) and _mentions(re.sub(_TEXT, r"\1", _clean(hint)), ans)
