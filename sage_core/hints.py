@@ -115,10 +115,11 @@ def _values(text: str) -> set[Fraction]:
 # "negative" before one, and fractions (two thirds, one half, a quarter, three fifths). "one" and "a" alone are not
 # read as 1 (no one, one of them, a step): only in a compound (twenty-one, one hundred) or before a fraction's
 # denominator; ordinals alone (the third step) are not numbers.
-_UNITS = {w: i for i, w in enumerate(
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
-    "eighteen nineteen".split())}
-_TENS = {w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), start=2)}
+_UNITS = {w: i for i, w in enumerate([
+    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve", "thirteen",
+    "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"])}
+_TENS = {w: 10 * i for i, w in enumerate(["twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"],
+                                          start=2)}
 _SCALES = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
 _DENOMINATORS = {"half": 2, "halves": 2, "third": 3, "quarter": 4, "fourth": 4, "fifth": 5, "sixth": 6, "seventh": 7,
                  "eighth": 8, "ninth": 9, "tenth": 10}
