@@ -54,6 +54,18 @@ def run_dir(experiment: str, label: str, spec: RunSpec, fresh: bool = False) -> 
     return runs_root() / slug(experiment) / name
 
 
+def folder_for(experiment: str, label: str, spec: RunSpec, force: bool = False) -> Path:
+    """The folder a flow trains `spec` in: run_dir's, where that spec resumes; a new one (fresh) with `force`, or
+    where the folder holds a run whose spec.json records another spec (resumed there by hand with, say, max_steps
+    changed: resuming it under this spec would report that run's model, trained for other steps, as this one's)."""
+    out = run_dir(experiment, label, spec, fresh=force)
+    try:
+        recorded = RunSpec.model_validate_json((out / "spec.json").read_text(encoding="utf-8")).key()
+    except (OSError, ValueError):  # none (a new folder), or unreadable: sage train's own check decides
+        return out
+    return run_dir(experiment, label, spec, fresh=True) if recorded != spec.key() else out
+
+
 def code_version() -> str:
     return tracking.git_commit()
 
@@ -73,7 +85,7 @@ def resolve_benchmarks(spec: RunSpec, benchmarks: dict[str, str] | None) -> dict
     """User benchmark files {name: path} read into rows, else the spec's held-out set. The rows are formatted as the
     spec's training rows (the spec's model decides the system turn) and, being the eval task's inputs, key its
     cache by their content: a file changed under the same name is evaluated again."""
-    from sage_core.data import system_prompt_for, load_benchmark
+    from sage_core.data import load_benchmark, system_prompt_for
 
     if not benchmarks:
         return default_benchmarks(spec)

@@ -17,7 +17,15 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from pydantic import ValidationError
 
-from flows.common import code_version, resolve_benchmarks, row_from_run, run_dir, run_eval, train_task
+from flows.common import (
+    code_version,
+    folder_for,
+    resolve_benchmarks,
+    row_from_run,
+    run_dir,
+    run_eval,
+    train_task,
+)
 from flows.params import PresetName, SpecPatch, resolve_spec, with_spec_overrides
 from sage_core import tracking
 from sage_core.spec import RunSpec
@@ -59,7 +67,10 @@ def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict
                         label, key, done.info.run_id)
             _link(done.info.run_id, done.info.experiment_id, "training")
             return {**row_from_run(done.info.run_id), "skipped": True}
-    out = run_dir(experiment, label, spec, fresh=force)
+    out = folder_for(experiment, label, spec, force)
+    if not force and out != run_dir(experiment, label, spec):
+        logger.warning("%s holds a run resumed there by hand with another spec (its spec.json); training spec %s in "
+                       "a new folder, %s", run_dir(experiment, label, spec), key, out)
     tags = {"sage.variant": variant or label, "sage.preset": preset, "sage.output_dir": str(out)}
     run_id, resumed = tracking.resume_or_create_run(spec, "train", out, experiment, run_name=label,
                                                     parent_run_id=parent_run_id, tags=tags)

@@ -215,6 +215,16 @@ def test_slug_and_run_dir(tmp_path, monkeypatch):
     d = common.run_dir("My Exp", "sage-online", s)
     assert d == tmp_path / "runs" / "my-exp" / f"sage-online-{s.key()}"
     assert common.run_dir("My Exp", "sage-online", s, fresh=True) != d
+    # the folder a flow trains in: run_dir's, unless a run there was resumed by hand with another spec
+    assert common.folder_for("My Exp", "sage-online", s) == d
+    d.mkdir(parents=True)
+    (d / "spec.json").write_text(s.model_dump_json())
+    assert common.folder_for("My Exp", "sage-online", s) == d
+    (d / "spec.json").write_text(s.model_copy(update={"max_steps": s.max_steps + 1}).model_dump_json())
+    other = common.folder_for("My Exp", "sage-online", s)
+    assert other != d and other.name.startswith(d.name + "-") and not other.exists()
+    (d / "spec.json").write_text("{not json")  # unreadable: sage train's own folder check decides
+    assert common.folder_for("My Exp", "sage-online", s) == d
 
 
 # ----------------------------------------------------------------------------------------------- flows (harness)
