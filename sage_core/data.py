@@ -537,8 +537,9 @@ def eval_rows(spec: Any):
     """Held-out no-hint evaluation rows of a RunSpec (spec.eval_num_prompts of them).
 
     synthetic: seed spec.seed + EVAL_SEED_OFFSET, difficulty mixed, problems of the training set excluded.
-    A file: the rows after the first spec.num_prompts (the training rows). An HF name: its 'test' or 'validation'
-    split.
+    A file: the rows after the first spec.num_prompts (the training rows). A dataset folder or HF name: its 'test'
+    or 'validation' split that is not the training split (spec.data_split), else, where training takes its rows
+    from the only one it has (MATH-500 has only 'test'), that split's rows after the training rows.
     """
     system = system_prompt_for(spec)
     n = spec.eval_num_prompts
@@ -547,14 +548,23 @@ def eval_rows(spec: Any):
         rows = [r for r in synthetic_rows(2 * n + 16, seed=spec.seed + EVAL_SEED_OFFSET, difficulty="mixed",
                                           system_prompt=system) if r["problem"] not in train][:n]
         return to_dataset(rows)
-    path = Path(spec.data).expanduser()
-    if path.is_file():
-        records, name = read_records(spec.data, spec.data_split)
-        rest = records[spec.num_prompts:spec.num_prompts + n]
-        if not rest:
-            raise DataError(f"{name}: no rows left for evaluation after the first {spec.num_prompts} training rows")
-        return to_dataset(normalise_records(rest, name, system))
-    return load_benchmark(spec.data, n, system, splits=("test", "validation"))
+    eval_splits = ("test", "validation")
+    if not Path(spec.data).expanduser().is_file():
+        others = tuple(s for s in eval_splits if s != spec.data_split)
+        missing: list[MissingSplit] = []
+        for split in others:
+            try:
+                return load_rows(spec.data, split=split, limit=n, system_prompt=system)
+            except MissingSplit as e:
+                missing.append(e)
+        if spec.data_split not in eval_splits:
+            raise DataError(f"{spec.data}: no {' or '.join(map(repr, others))} split for evaluation "
+                            f"({missing[-1].__cause__})")
+    records, name = read_records(spec.data, spec.data_split)
+    rest = records[spec.num_prompts:spec.num_prompts + n]
+    if not rest:
+        raise DataError(f"{name}: no rows left for evaluation after the first {spec.num_prompts} training rows")
+    return to_dataset(normalise_records(rest, name, system))
 
 
 def load_benchmark(source: str, limit: int | None = None, system_prompt: str | None = None,

@@ -305,6 +305,22 @@ def test_eval_rows_from_a_file_are_the_rows_after_the_training_rows(tmp_path):
     assert eval_rows(spec)["problem"] == ["p6", "p7", "p8"]
 
 
+def test_held_out_rows_of_a_data_set_trained_on_its_test_split_are_not_its_training_rows(tmp_path):
+    """Training on a data set's 'test' split (MATH-500 has no other): the held-out rows are its 'validation' split
+    where there is one, else the test rows after the training ones (they were the training rows themselves)."""
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "test.jsonl").write_text("\n".join(json.dumps({"problem": f"t{i}", "answer": str(i)}) for i in range(10)))
+    spec = RunSpec(data=str(d), data_split="test", num_prompts=4, prompts_per_step=4, eval_num_prompts=3)
+    assert build_dataset(spec)["problem"] == ["t0", "t1", "t2", "t3"]
+    assert eval_rows(spec)["problem"] == ["t4", "t5", "t6"]
+    with pytest.raises(data.DataError, match="no rows left for evaluation after the first 10 training rows"):
+        eval_rows(spec.model_copy(update={"num_prompts": 10}))
+    (d / "validation.jsonl").write_text(json.dumps({"problem": "v0", "answer": "0"}))
+    assert eval_rows(spec)["problem"] == ["v0"]
+    assert eval_rows(spec.model_copy(update={"data_split": "validation"}))["problem"] == ["t0", "t1", "t2"]
+
+
 def test_gsm8k_answers_split_into_gold_answer_and_solution(tmp_path):
     """GSM8K's answer cell is the rationale (with <<...>> calculator notes) and then '#### answer': the gold answer
     is what follows ####, the rationale becomes the solution the hints are written from."""
