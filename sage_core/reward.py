@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -83,9 +84,49 @@ def _group_after(expr: str, i: int) -> str:
     return expr[i + 1:]
 
 
+TOWER_LIMIT = 10**4  # a number in an exponent up to this is fine: 2^{2^3}; 10^{10^{10}} is not
+
+
+def _tower(t: str, i: int = 0) -> tuple[float, int] | None:
+    """(value, end) of the power tower of numbers and parentheses starting at t[i] (t: '^' for powers, parentheses
+    for braces, no spaces), its value inf past TOWER_LIMIT; None where t[i:] does not start with one."""
+    if i < len(t) and t[i] == "(":
+        inner = _tower(t, i + 1)
+        if inner is None or inner[1] >= len(t) or t[inner[1]] != ")":
+            return None
+        base, j = inner[0], inner[1] + 1
+    else:
+        m = re.compile(r"\d+(?:\.\d+)?").match(t, i)
+        if m is None:
+            return None
+        base, j = float(m.group()), m.end()
+    if j < len(t) and t[j] == "^":
+        exp = _tower(t, j + 1)
+        if exp is None:
+            return None
+        if base <= 1 or exp[0] == 0:
+            return (1.0 if exp[0] == 0 or base == 1 else base ** min(exp[0], 64)), exp[1]
+        if exp[0] == float("inf") or exp[0] * math.log10(base) > math.log10(TOWER_LIMIT):
+            return float("inf"), exp[1]
+        return base ** exp[0], exp[1]
+    return base, j
+
+
+def _huge_exponent(inner: str) -> bool:
+    """True for an exponent holding a power that sympy could choke on: a numeric power past TOWER_LIMIT (the
+    {10^{10}} of 10^{10^{10}}), or one that is not plain numbers (2 \\cdot 10^{10}); a symbolic one (the {x^2} of
+    e^{x^2}) is fine."""
+    if re.search(r"[a-zA-Z]", re.sub(r"\\[a-zA-Z]+", "", inner)):
+        return False
+    t = re.sub(r"\s", "", inner).replace("**", "^").translate(str.maketrans("{}", "()"))
+    found = _tower(t)
+    return found is None or found[1] != len(t) or found[0] == float("inf")
+
+
 def _too_hard(expr: str) -> bool:
     """True for inputs that could make sympy hang or blow up memory: very long or deeply nested input, stacked
-    powers (10^{10^{10}}, 9**9**9, a^b^c), exponents over 4 digits, factorials of 5+ digit numbers."""
+    numeric powers past TOWER_LIMIT (10^{10^{10}}, 9**9**9), exponents over 4 digits, factorials of 5+ digit
+    numbers, of powers or of factorials, binomials of 5+ digit numbers."""
     if len(expr) > MAX_ANSWER_CHARS:
         return True
     depth = peak = 0
@@ -99,13 +140,33 @@ def _too_hard(expr: str) -> bool:
         return True
     for m in re.finditer(r"(\^|\*\*)\s*([{(])", expr):
         inner = _group_after(expr, m.end() - 1)
-        if "^" in inner or "**" in inner:
+        if ("^" in inner or "**" in inner) and _huge_exponent(inner):
             return True
-    if re.search(r"(\^|\*\*)\s*[\w.]+\s*(\^|\*\*)", expr):
-        return True
+    term = r"(?:[\w.]+|\([^()]*\)|\{[^{}]*\})"
+    for m in re.finditer(rf"(?:\^|\*\*)\s*((?:{term}\s*(?:\^|\*\*)\s*)+{term})", expr):  # 9**9**9, 10^(10)^(10)
+        if _huge_exponent(m.group(1)):
+            return True
     if any(len(m.group(2)) > 4 for m in _POW_RE.finditer(expr)):
         return True
-    return bool(re.search(r"\d{5,}\s*!", expr))
+    if re.search(r"\d{5,}\s*!|\d{3,}\s*!\s*!|\\binom\s*\{?\s*\d{5,}", expr):  # 99999!, 9999!!, \binom{10^9}...
+        return True
+    for m in re.finditer(r"[)}]\s*!", expr):  # (10^{9})!, ((9999)!)!
+        start = _group_start(expr, m.start())
+        if any(c in expr[start:m.start()] for c in "^!") or re.search(r"\d{5,}", expr[start:m.start()]):
+            return True
+    return False
+
+
+def _group_start(expr: str, close: int) -> int:
+    """The index of the bracket that opens the group closing at expr[close] (0 when unbalanced)."""
+    close_c = expr[close]
+    open_c = "{" if close_c == "}" else "("
+    depth = 0
+    for k in range(close, -1, -1):
+        depth += (expr[k] == close_c) - (expr[k] == open_c)
+        if depth == 0:
+            return k
+    return 0
 
 
 _NUM_RE = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d{1,3})?")
@@ -115,10 +176,11 @@ def _normalise(s: str) -> str:
     s = s.strip().strip("$").strip()
     s = re.sub(r"\\(left|right|!|,|;|:|displaystyle)", "", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = re.sub(r"\\text\{\s*([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\text\{\s*([^{}]*)\}", r"\1", s).replace("{,}", ",")
+    spaced = re.search(r",\s", s) is not None  # "1, 234" is two numbers, "1,234" one
     s = re.sub(r"\s+", "", s)
     s = s.rstrip(".")
-    if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s):
+    if not spaced and re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s):
         s = s.replace(",", "")
     return s
 
@@ -145,8 +207,10 @@ def fast_score(pred: str, gold: str) -> float | None:
     if pn is not None and gn is not None:
         if pn == gn:
             return 1.0
-        # math-verify's float rounding (6 places) for decimals
-        return 1.0 if abs(float(pn) - float(gn)) <= 1e-6 * max(1.0, abs(float(gn))) else 0.0
+        # math-verify compares integers and fractions exactly, and decimals rounded to 6 places: two values within
+        # 1e-6 of each other where one is a decimal may round alike, and math-verify decides those
+        decimal = any(re.search(r"[.eE]", x) for x in (p, g))
+        return None if decimal and abs(pn - gn) <= Fraction(1, 10**6) else 0.0
     return None
 
 

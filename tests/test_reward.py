@@ -17,6 +17,12 @@ HOSTILE = [
     "\\boxed{2^{2^{2^{2^{2}}}}}",
     "\\boxed{2^{123456789}}",
     "\\boxed{99999999!}",
+    "\\boxed{10^(10)^(10)}",
+    "\\boxed{10^{2 \\cdot 10^{10}}}",
+    "\\boxed{(10^{9})!}",
+    "\\boxed{((9999)!)!}",
+    "\\boxed{9999!!}",
+    "\\boxed{\\binom{1000000000}{500000000}}",
     "\\boxed{" + "{" * 2000 + "1" + "}" * 2000 + "}",
     "\\boxed{" + "\\frac{1}{" * 300 + "2" + "}" * 300 + "}",
     "\\boxed{" + "1+" * 50_000 + "1}",
@@ -57,6 +63,12 @@ def test_extract_boxed_takes_the_last_balanced_box(text, expected):
     ("x^2+2x+1", "(x+1)^2"),           # needs math-verify (worker pool)
     ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"),
     ("\\pi", "\\pi"),
+    ("1{,}234", "1234"),
+    # a power in an exponent is fine where it is small or symbolic (only numeric towers are refused unparsed)
+    ("2^{2^{3}}", "256"),
+    ("256", "2^{2^3}"),
+    ("e^{x^2} \\cdot 2x", "2xe^{x^2}"),
+    ("x^{2^{2}}", "x^4"),
 ])
 def test_equivalent_forms_score_one(pred, gold):
     assert score(f"so \\boxed{{{pred}}}", gold) == 1.0
@@ -64,6 +76,10 @@ def test_equivalent_forms_score_one(pred, gold):
 
 @pytest.mark.parametrize("pred,gold", [
     ("8", "9"), ("0.51", "\\frac{1}{2}"), ("x^2+1", "(x+1)^2"), ("10", "1"), ("-9", "9"),
+    # numbers are compared exactly (decimals to math-verify's 6 places), not within a relative tolerance
+    ("1000001", "1000000"), ("123456700", "123456789"), ("1234.569", "1234.5678"),
+    # "1, 234" is a list of two numbers, not 1234
+    ("1, 234", "1234"), ("1100", "1, 100"),
 ])
 def test_wrong_answers_score_zero(pred, gold):
     assert score(f"\\boxed{{{pred}}}", gold) == 0.0
