@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,22 @@ logger = logging.getLogger(__name__)
 COLUMNS = ["benchmark", "k", "avg_at_k", "pass_at_k", "n_prompts"]
 
 
-def _as_rows(rows: Any) -> list[dict[str, Any]]:
-    if isinstance(rows, (str, bytes)) or hasattr(rows, "__fspath__"):
-        from .data import load_benchmark
+def _as_rows(rows: Any, name: str = "rows") -> list[dict[str, Any]]:
+    """Benchmark rows as dicts: a file path is loaded (with the data loader's checks); rows given directly are
+    checked here, before anything is generated: each has an answer, and no two share a prompt id (results are
+    keyed by it; a row without one is keyed by its index)."""
+    from .data import DataError, load_benchmark
 
+    if isinstance(rows, (str, bytes)) or hasattr(rows, "__fspath__"):
         rows = load_benchmark(str(rows))
-    return [dict(r) for r in rows]
+    out = [dict(r) for r in rows]
+    if lacking := [i for i, r in enumerate(out) if "answer" not in r]:
+        raise DataError(f"{name}: {len(lacking)} rows have no 'answer' (rows {lacking[:5]})")
+    counts = Counter(str(r.get("prompt_id", i)) for i, r in enumerate(out))
+    if dups := sorted(x for x, c in counts.items() if c > 1):
+        raise DataError(f"{name}: {len(dups)} prompt ids are given to more than one row, e.g. {dups[:5]}; results "
+                        "are keyed by prompt id: give each row its own")
+    return out
 
 
 def _messages(row: Mapping[str, Any]) -> list[dict[str, str]]:
@@ -54,10 +65,13 @@ def summarise(rows: Sequence[Mapping[str, Any]], completions: Sequence[Sequence[
     """avg@k / pass@k of `completions[i]` (k strings) against `rows[i]["answer"]`."""
     per_prompt: dict[str, float] = {}
     correct: dict[str, list[float]] = {}
+    texts: dict[str, list[str]] = {}
     for i, (row, comps) in enumerate(zip(rows, completions, strict=True)):
         pid = str(row.get("prompt_id", i))
+        if pid in per_prompt:
+            raise ValueError(f"prompt id {pid!r} is given to more than one row; results are keyed by prompt id")
         scores = [score(c, str(row["answer"])) for c in comps]
-        correct[pid] = scores
+        correct[pid], texts[pid] = scores, list(comps)
         per_prompt[pid] = sum(scores) / len(scores) if scores else 0.0
     n = len(per_prompt)
     return {
@@ -66,7 +80,7 @@ def summarise(rows: Sequence[Mapping[str, Any]], completions: Sequence[Sequence[
         "avg_at_k": sum(per_prompt.values()) / n if n else float("nan"),
         "pass_at_k": sum(any(s > 0 for s in v) for v in correct.values()) / n if n else float("nan"),
         "per_prompt": per_prompt,
-        "completions": {pid: list(c) for pid, c in zip(per_prompt, completions)},
+        "completions": texts,
     }
 
 
@@ -245,7 +259,7 @@ def evaluate(model_ref, benchmarks: dict[str, Any], use_vllm: bool = False, k: i
     """
     import pandas as pd
 
-    loaded = {name: _as_rows(rows) for name, rows in benchmarks.items()}
+    loaded = {name: _as_rows(rows, name) for name, rows in benchmarks.items()}
     records = []
     venv = train_venv()
     if use_vllm and venv and isinstance(model_ref, str) and importlib.util.find_spec("vllm") is None:
@@ -287,7 +301,7 @@ def evaluate_in_venv(venv: str | os.PathLike, model_ref: str, benchmarks: dict[s
     python = Path(venv) / "bin" / "python"
     if not python.exists():
         raise FileNotFoundError(f"{TRAIN_VENV_ENV}={venv}: no {python} (a venv with vLLM, e.g. make gpu-venv)")
-    loaded = {name: _as_rows(rows) for name, rows in benchmarks.items()}
+    loaded = {name: _as_rows(rows, name) for name, rows in benchmarks.items()}
     with tempfile.TemporaryDirectory(prefix="sage-eval-") as tmp:
         job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job.write_text(json.dumps({"model_ref": model_ref, "benchmarks": loaded, "kwargs": kwargs,

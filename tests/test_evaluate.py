@@ -75,6 +75,28 @@ def test_summarise_matches_definitions():
     assert res["avg_at_k"] == 0.25 and res["pass_at_k"] == 0.5 and res["per_prompt"] == {"a": 0.5, "b": 0.0}
 
 
+def test_rows_given_directly_with_a_shared_prompt_id_or_no_answer_are_refused_before_generating(tok):
+    """Results are keyed by prompt id: two rows sharing one were scored as one (the second overwrote the first, so
+    avg@k covered 2 of 3 rows and the completions map paired ids with other rows' samples). File benchmarks are
+    checked by the loader; rows given directly are checked before anything is generated."""
+    rows = [dict(r) for r in data.synthetic_rows(3, seed=5)]
+    rows[1]["prompt_id"] = rows[0]["prompt_id"]
+    fake = FakeModel(tok, rows)
+    with pytest.raises(data.DataError, match=rf"bench: 1 prompt ids are given to more than one row, "
+                                             rf"e.g. \['{rows[0]['prompt_id']}'\]"):
+        evaluate((fake, tok), {"bench": rows}, k=2)
+    with pytest.raises(data.DataError, match="rows: 1 prompt ids"):
+        evaluate_rows(fake, tok, rows, k=2)
+    assert fake.seen_prompts == []  # nothing was generated
+    with pytest.raises(data.DataError, match=r"bench: 1 rows have no 'answer' \(rows \[0\]\)"):
+        evaluate((fake, tok), {"bench": [{"problem": "1 + 1 ?"}]}, k=2)
+    with pytest.raises(ValueError, match="given to more than one row"):
+        summarise([{"prompt_id": "a", "answer": "1"}] * 2, [["\\boxed{1}"], ["\\boxed{2}"]], k=1)
+    res = summarise([{"prompt_id": "a", "answer": "1"}, {"prompt_id": "b", "answer": "2"}],
+                    [["\\boxed{1}"], ["\\boxed{3}"]], k=1)
+    assert res["completions"] == {"a": ["\\boxed{1}"], "b": ["\\boxed{3}"]}
+
+
 def test_render_prompt_uses_the_row_prompt_or_problem(tok):
     row = data.synthetic_rows(1)[0]
     assert render_prompt(tok, row) == f"<|user|>{row['problem']}<|assistant|>"
