@@ -57,7 +57,7 @@ def base_model(model: str, ref: str, source_run: str | None) -> str:
 
 @flow(name="sage-eval", flow_run_name="eval-{model}")
 def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, preset: PresetName = "tiny-cpu",
-              k: Annotated[int, Field(ge=1)] | None = None, temperature: Annotated[float, Field(gt=0)] | None = None,
+              k: Annotated[int, Field(ge=1)] | None = None, temperature: Annotated[float, Field(ge=0)] | None = None,
               top_p: Annotated[float, Field(gt=0, le=1)] | None = None,
               max_new_tokens: Annotated[int, Field(ge=1)] | None = None, use_vllm: bool | None = None,
               experiment: str = "sage-eval", log_to_run: str | None = None,
@@ -69,7 +69,7 @@ def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, pre
         benchmarks: {name: .parquet/.jsonl file}; default: the preset's held-out set.
         preset: RunSpec preset giving the default eval settings and held-out set.
         k: samples per prompt (default: the preset's eval_k).
-        temperature: sampling temperature (default: the preset's eval_temperature).
+        temperature: sampling temperature, 0 = greedy (default: the preset's eval_temperature).
         top_p: nucleus sampling (default: the preset's eval_top_p).
         max_new_tokens: generation budget (default: the preset's max_completion_length).
         use_vllm: generate with vLLM (default: the preset's use_vllm).

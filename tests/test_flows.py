@@ -70,6 +70,12 @@ def test_bad_parameters_are_rejected_naming_the_field():
                                    {k: v for k, v in got.items() if k in params.SPEC_FIELDS})
     ok = hint_study.validate_parameters({"spec": RunSpec(method="grpo", max_steps=3)})
     assert ok["spec"].model_fields_set == {"method", "max_steps"}
+    # sage-eval takes what RunSpec's eval fields take: temperature 0 is greedy, below 0 is refused
+    from flows.eval_flow import sage_eval
+
+    assert sage_eval.validate_parameters({"temperature": 0})["temperature"] == 0
+    with pytest.raises(ParameterTypeError, match="temperature"):
+        sage_eval.validate_parameters({"temperature": -0.1})
 
 
 def test_variant_specs(tmp_path):
