@@ -626,14 +626,6 @@ class MlflowTrackingCallback(TrainerCallback):
             self.uploaded.add(p.name)
         return [p.name for p in new]
 
-    @staticmethod
-    def final_checkpoint(output_dir: Path, global_step: int) -> Path | None:
-        exact = output_dir / f"checkpoint-{global_step}"
-        if exact.is_dir():
-            return exact
-        ckpts = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
-        return max(ckpts, key=lambda p: int(p.name.split("-")[-1])) if ckpts else None
-
     def log_dropped_prompts(self) -> int:
         """The rows left out for being longer than max_prompt_length (`<output_dir>/dropped_prompts.json`, written
         by sage_core.train): the file as an artifact and their count as the tag `sage.prompts_dropped`."""
@@ -674,12 +666,17 @@ class MlflowTrackingCallback(TrainerCallback):
             return
         self._setup(args)
         self.upload_tracker_files()
-        if self.log_checkpoint:
-            ckpt = self.final_checkpoint(Path(args.output_dir), state.global_step)
-            if ckpt is not None:
-                log_checkpoint(ckpt, self.run_id)
-                self.checkpoint_logged = ckpt
-                client().set_tag(self.run_id, "sage.checkpoint_step", ckpt.name.split("-")[-1])
+
+    def log_final_model(self, final: Path, global_step: int) -> None:
+        """After training (sage_core.train calls it on the main process, once final/ is saved): the model trained,
+        final/, as the run's `checkpoint/` with its step in the tag `sage.checkpoint_step`; a run this callback
+        opened is finished. (The last checkpoint-N is not that model where a rollout budget stopped training
+        between saves, nor for LoRA, whose checkpoints hold the adapter.)"""
+        self._setup()
+        if self.log_checkpoint and Path(final).is_dir():
+            log_checkpoint(final, self.run_id)
+            self.checkpoint_logged = Path(final)
+            client().set_tag(self.run_id, "sage.checkpoint_step", str(global_step))
         if self.owns_run:
             finish_run(self.run_id)
 

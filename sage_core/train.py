@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerState
 
 from .lora import ADAPTER_DIR, merge_adapter, peft_config
 from .spec import RunSpec, check_run_folder, layout_error
@@ -110,19 +110,44 @@ def build_config(spec: RunSpec, output_dir: str | Path):
 
 
 class RolloutBudget(TrainerCallback):
-    """Stops training once `budget` completions were rolled out (re-rolls and resampled prompts included)."""
+    """Stops training once `budget` completions were rolled out (re-rolls and resampled prompts included), saving a
+    checkpoint of the step it stops at (the model trained, and where a rerun finds the run done)."""
 
     def __init__(self, budget: int):
         self.budget, self.spent = budget, 0.0
 
+    @staticmethod
+    def spent_in(history: list[dict]) -> float:
+        return sum((h.get("sage/rollouts", 0.0) or 0.0) for h in history)
+
     def on_train_begin(self, args, state, control, **kwargs):
         """A resumed run has already spent what its checkpoint's log history holds."""
-        self.spent = sum((h.get("sage/rollouts", 0.0) or 0.0) for h in state.log_history)
+        self.spent = self.spent_in(state.log_history)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.spent += (logs or {}).get("sage/rollouts", 0.0) or 0.0
         if self.spent >= self.budget:
             control.should_training_stop = True
+            control.should_save = True
+
+
+class SaveSteps(TrainerCallback):
+    """A resumed run saves every `save_steps` of its spec: HF's Trainer keeps the interval its checkpoint's
+    trainer_state.json recorded (a resume with save_steps 2 -> 1 still saved every 2 steps)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        state.save_steps = args.save_steps
+
+
+FINAL_STEP_FILE = "sage_final_step.json"  # in final/: the optimizer step its model was saved at
+
+
+def final_step(final: Path) -> int | None:
+    """The step a run's final/ model was saved at (None: no final/, or one saved before this record)."""
+    try:
+        return int(json.loads((final / FINAL_STEP_FILE).read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 TRAIN_SECONDS_FILE = "sage_train_seconds.json"  # in each checkpoint: the training loop's seconds up to it
@@ -236,7 +261,7 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
                                num_generations=spec.num_generations)
     hint_source = make_hint_source(spec.hint_source, output_dir, spec.teacher, spec.teacher_model,
                                    spec.hint_max_tokens)
-    callbacks = list(callbacks) + ([RolloutBudget(spec.rollout_budget)] if spec.rollout_budget else [])
+    callbacks = [*callbacks, SaveSteps(), *([RolloutBudget(spec.rollout_budget)] if spec.rollout_budget else [])]
     return SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
                            processing_class=tokenizer, callbacks=list(callbacks), scheduler=scheduler,
                            hint_source=hint_source, peft_config=peft_config(spec))
@@ -312,20 +337,40 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     if ckpt is not None:
         replayed = trainer.restore_state(step, ckpt)
         log.info("resuming %s from %s (%d tracker records replayed)", output_dir, ckpt.name, replayed)
-    trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     final = output_dir / "final"
-    if spec.lora_r is None:
-        trainer.save_model(str(final))
-    else:  # the adapters, then the full model they make with the base (sage_core.lora)
-        trainer.save_model(str(output_dir / ADAPTER_DIR))
+    state = TrainerState.load_from_json(str(ckpt / "trainer_state.json")) if ckpt is not None else None
+    done = state is not None and (step >= trainer.args.max_steps or bool(
+        spec.rollout_budget and RolloutBudget.spent_in(state.log_history) >= spec.rollout_budget))
+    keep = done and final_step(final) == step  # final/ is this checkpoint's model already
+    if not done:
+        trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+    else:  # nothing left to train: HF's Trainer would train one step more past the checkpoint and save over final/
+        log.warning("%s: %s is done (max_steps %d%s): nothing to train; %s", output_dir, ckpt.name,
+                    trainer.args.max_steps, f", rollout_budget {spec.rollout_budget}" if spec.rollout_budget else "",
+                    "final/ is its model" if keep else "final/ is written from it")
+        trainer.state = state
+        if not keep:
+            trainer._load_from_checkpoint(str(ckpt))
+    if not keep:
+        if spec.lora_r is None:
+            trainer.save_model(str(final))
+        else:  # the adapters, then the full model they make with the base (sage_core.lora)
+            trainer.save_model(str(output_dir / ADAPTER_DIR))
+            if trainer.accelerator.is_main_process:
+                merge_adapter(spec, output_dir / ADAPTER_DIR, final)
+            trainer.accelerator.wait_for_everyone()
+        trainer.processing_class.save_pretrained(str(final))
         if trainer.accelerator.is_main_process:
-            merge_adapter(spec, output_dir / ADAPTER_DIR, final)
-        trainer.accelerator.wait_for_everyone()
-    trainer.processing_class.save_pretrained(str(final))
+            (final / FINAL_STEP_FILE).write_text(json.dumps({"global_step": trainer.state.global_step}))
+    if trainer.accelerator.is_main_process:  # the model trained (final/), to each tracking callback's run
+        for cb in callbacks:
+            if hasattr(cb, "log_final_model"):
+                cb.log_final_model(final, trainer.state.global_step)
     wall = time.perf_counter() - t0
     history = list(trainer.state.log_history)
     summary = summarize(history, trainer.tracker)
-    summary["train_seconds"] += clock.before  # a resumed run: its earlier sessions' training time too
+    # a resumed run: its earlier sessions' training time too (all of it, where this session trained nothing)
+    summary["train_seconds"] = clock.before if done else summary["train_seconds"] + clock.before
     summary["wall_seconds"] = wall  # this session's, model loading included
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     release_vllm(trainer)

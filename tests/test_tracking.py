@@ -186,6 +186,12 @@ def test_callback_metrics_tracker_files_and_checkpoint(store, tmp_path):
         (ck / name).write_text(name)
     (out / "checkpoint-1").mkdir()
     cb.on_train_end(args, _state(2), ctl)
+    assert not [a for a in tracking.client().list_artifacts(rid) if a.path == "checkpoint"]  # not a checkpoint-N
+    final = out / "final"  # the model train() saved after training: the run's checkpoint/
+    final.mkdir()
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        (final / name).write_text(name)
+    cb.log_final_model(final, 3)
 
     c = tracking.client()
     hist = c.get_metric_history(rid, "reward")
@@ -197,8 +203,8 @@ def test_callback_metrics_tracker_files_and_checkpoint(store, tmp_path):
     assert sorted(a.path for a in c.list_artifacts(rid, "tracker")) == ["tracker/step_000001.parquet",
                                                                        "tracker/step_000002.parquet"]
     assert sorted(Path(a.path).name for a in c.list_artifacts(rid, "checkpoint")) == [
-        "config.json", "model.safetensors", "tokenizer.json", "trainer_state.json"]
-    assert cb.checkpoint_logged == ck and run.data.tags["sage.checkpoint_step"] == "2"
+        "config.json", "model.safetensors", "tokenizer.json"]
+    assert cb.checkpoint_logged == final and run.data.tags["sage.checkpoint_step"] == "3"
 
     # a resumed run: a new callback knows which tracker files the run already has
     cb2 = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
@@ -302,6 +308,10 @@ def test_make_callback_owns_a_run_for_sage_train_mlflow(store, tmp_path, monkeyp
     cb.on_train_begin(args, _state(0), TrainerControl())
     cb.on_log(args, _state(1), TrainerControl(), logs={"reward": 1.0})
     cb.on_train_end(args, _state(1), TrainerControl())
+    assert not tracking.is_complete(tracking.client().get_run(cb.run_id))  # final/ is not saved yet
+    (out / "final").mkdir()
+    (out / "final" / "config.json").write_text("{}")
+    cb.log_final_model(out / "final", 1)
     assert cb.owns_run and tracking.read_run_id(out) == cb.run_id
     run = tracking.client().get_run(cb.run_id)
     assert tracking.is_complete(run) and run.data.metrics["reward"] == 1.0

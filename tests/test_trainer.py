@@ -253,6 +253,44 @@ def test_resume_discards_tracker_files_written_after_the_checkpoint(tiny_model_d
                                                     max(r.level - 1, 0) if r.pass_rate > 0.35 else r.level)
 
 
+def test_a_done_run_run_again_trains_nothing_and_keeps_its_model(tiny_model_dir, tmp_path):
+    """The same command run again on a finished run (1 step of a 2-step epoch): HF's Trainer trained one step more
+    past the checkpoint and saved over final/ each time. A run a rollout budget stopped (at step 2 of 4, between
+    saves) checkpoints that step and is done too. Each time final/ goes to the tracking callbacks with its step."""
+    calls = []
+
+    from transformers import TrainerCallback
+
+    class Final(TrainerCallback):  # what MlflowTrackingCallback.log_final_model receives
+        def log_final_model(self, final, step):
+            calls.append((final, step, (final / "model.safetensors").read_bytes()))
+
+    spec = small("grpo", max_steps=1, save_steps=1)
+    first = train(spec, tmp_path / "a", callbacks=[Final()])
+    again = train(spec, tmp_path / "a", callbacks=[Final()])
+    assert first.global_step == again.global_step == 1
+    assert sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*")) == ["checkpoint-1"]
+    assert sorted(read_tracker(again.tracker_dir).step.unique()) == [1]
+    assert [c[1] for c in calls] == [1, 1] and calls[0][2] == calls[1][2]  # the same model, not retrained
+    assert 0 < again.summary["train_seconds"] == TrainTime.at(tmp_path / "a" / "checkpoint-1")  # the first session's
+
+    calls.clear()
+    budget = small("grpo", max_steps=4, save_steps=100, rollout_budget=64)
+    res = train(budget, tmp_path / "b", callbacks=[Final()])
+    assert res.global_step == 2 and (tmp_path / "b" / "checkpoint-2").is_dir()
+    res2 = train(budget, tmp_path / "b", callbacks=[Final()])
+    assert res2.global_step == 2 and not (tmp_path / "b" / "checkpoint-3").exists()
+    assert [c[1] for c in calls] == [2, 2] and calls[0][2] == calls[1][2]
+
+
+def test_a_resume_saves_at_its_own_save_steps(tiny_model_dir, tmp_path):
+    """HF's Trainer kept the save interval of the checkpoint's trainer_state.json: resumed with save_steps 2 -> 1,
+    it saved at step 4 only, and a kill after step 3 lost it."""
+    train(small("grpo", max_steps=2, save_steps=2), tmp_path)
+    train(small("grpo", max_steps=4, save_steps=1), tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+
+
 def test_too_few_prompts_for_one_step_is_an_error_not_an_empty_run(tmp_path):
     with pytest.raises(ValueError, match="4 training prompts, fewer than prompts_per_step=8"):
         build_trainer(small("grpo", num_prompts=4, prompts_per_step=8), tmp_path)
