@@ -85,6 +85,12 @@ def test_compose_healthchecks_and_depends_on(compose):
     for dep in ("prefect-server", "mlflow"):
         assert services["worker"]["depends_on"][dep]["condition"] == "service_healthy"
     assert services["dashboard"]["depends_on"]["mlflow"]["condition"] == "service_healthy"
+    # every one-shot service is waited for by a running one: `up --wait` takes a one-shot that exited, even with
+    # 0, for a failure otherwise (docker/compose#10596), and make up (SAGE_SERVICES=compose) runs `up -d --wait`
+    for name, svc in services.items():
+        if svc.get("restart") == "no":
+            assert any(d.get("depends_on", {}).get(name, {}).get("condition") == "service_completed_successfully"
+                       for d in services.values()), f"{name}: one-shot, and no running service waits for it"
     # postgres: checked over TCP so it is healthy only after the init scripts ran
     pg_test = " ".join(services["postgres"]["healthcheck"]["test"])
     assert "pg_isready" in pg_test and "-h 127.0.0.1" in pg_test
