@@ -27,11 +27,16 @@ from sage_core import tracking
 
 
 def resolve_model(model: str) -> tuple[str, str | None]:
-    """(loadable model ref, MLflow run id it came from). `runs:/<id>` downloads that run's `checkpoint/`."""
+    """(loadable model ref, MLflow run id it came from). `runs:/<id>` downloads that run's `checkpoint/` once per
+    `sage.checkpoint_step` tag (a resumed run keeps its id and uploads a later step's model); an untagged run's
+    download is reused as it is."""
     if not model.startswith("runs:/"):
         return model, None
     run_id = model.removeprefix("runs:/").strip("/").split("/")[0]
+    step = tracking.client().get_run(run_id).data.tags.get("sage.checkpoint_step")
     dst = tracking.sage_home() / "downloads" / run_id
+    if step is not None:
+        dst = dst / f"step-{step}"
     ckpt = dst / "checkpoint"
     if not (ckpt / "config.json").is_file():
         dst.mkdir(parents=True, exist_ok=True)

@@ -209,6 +209,15 @@ class _Curation(Scheduler):
 
     default_objective = "none"
 
+    def rng_state(self) -> dict:
+        """The state of the generator `finalize` draws from (a pooled method's balanced subset). Each process
+        finalizes its own groups, so each has its own; the trainer saves it beside each checkpoint and a resumed run
+        takes it back (SageGRPOTrainer.restore_state), so its picks are the straight run's."""
+        return self.rng.bit_generator.state
+
+    def load_rng_state(self, state: dict) -> None:
+        self.rng.bit_generator.state = state
+
     def _objective(self, weighting: str, objective: str | None) -> str:
         obj = weighting if weighting not in (None, "none") else (objective or self.default_objective)
         if obj != "none" and obj not in OBJECTIVES:

@@ -44,6 +44,7 @@ from .tracker import PromptTracker
 log = logging.getLogger(__name__)
 
 POOL_FILE = "sage_prompt_pool.json"  # in a checkpoint: each process's place in its fresh-prompt pool
+RNG_FILE = "sage_scheduler_rng.json"  # in a checkpoint: each process's scheduler generator (pooled subset picks)
 
 
 @dataclass
@@ -670,11 +671,14 @@ class SageGRPOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         """HF's checkpoint and the JSON files beside it: each process's place in its fresh-prompt pool (methods that
         swap a collapsed group for a new prompt), so that a resumed run draws the prompts the straight run draws,
-        and those of callbacks with a `checkpoint_files()` (sage_core.train.TrainTime: the seconds trained). Every
+        each process's scheduler generator (schedulers with a `rng_state()`: a pooled method's subset picks), and
+        those of callbacks with a `checkpoint_files()` (sage_core.train.TrainTime: the seconds trained). Every
         process calls it; the main process writes."""
         super()._save_checkpoint(model, trial)
         places = gather_object([self._pool_pos])
         files = {POOL_FILE: places} if any(places) else {}
+        if hasattr(self.scheduler, "rng_state"):
+            files[RNG_FILE] = gather_object([self.scheduler.rng_state()])
         for cb in self.callback_handler.callbacks:
             files.update(cb.checkpoint_files() if hasattr(cb, "checkpoint_files") else {})
         if self.accelerator.is_main_process:
@@ -685,16 +689,14 @@ class SageGRPOTrainer(GRPOTrainer):
 
     def restore_state(self, up_to_step: int, checkpoint: str | os.PathLike | None = None) -> int:
         """Replay the tracker files of steps <= up_to_step into the tracker and the scheduler, and take this
-        process's place in the fresh-prompt pool from `checkpoint`; returns the count of replayed records."""
-        pool = os.path.join(checkpoint, POOL_FILE) if checkpoint is not None else None
-        if pool is not None and os.path.exists(pool):
-            with open(pool) as f:
-                places = json.load(f)
-            rank, world = self.accelerator.process_index, self.accelerator.num_processes
-            if len(places) != world:  # each process has a pool of its own: the draws cannot follow the straight run
-                log.warning("%s: saved by %d processes, resumed by %d: the fresh prompts drawn after the resume "
-                            "differ from the straight run's", pool, len(places), world)
-            self._pool_pos = int(places[rank]) if rank < len(places) else 0
+        process's place in the fresh-prompt pool and its scheduler generator from `checkpoint`; returns the count
+        of replayed records."""
+        place = self._saved_by_process(checkpoint, POOL_FILE, "the fresh prompts drawn")
+        if place is not None:
+            self._pool_pos = int(place)
+        rng = self._saved_by_process(checkpoint, RNG_FILE, "the pooled subsets picked")
+        if rng is not None and hasattr(self.scheduler, "load_rng_state"):
+            self.scheduler.load_rng_state(rng)
         count = 0
         for rec in self.tracker.reload(up_to_step):
             if rec.get("trained") is not None and not rec["trained"]:  # swapped out (dapo-filter): not observed live
@@ -703,6 +705,19 @@ class SageGRPOTrainer(GRPOTrainer):
                                    [float(x) for x in rec["pilot_rewards"]])
             count += 1
         return count
+
+    def _saved_by_process(self, checkpoint: str | os.PathLike | None, name: str, what: str):
+        """This process's entry of the per-process file `name` in `checkpoint`; None without the file or an entry."""
+        path = os.path.join(checkpoint, name) if checkpoint is not None else None
+        if path is None or not os.path.exists(path):
+            return None
+        with open(path) as f:
+            saved = json.load(f)
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        if len(saved) != world:  # each process has its own: the draws cannot follow the straight run
+            log.warning("%s: saved by %d processes, resumed by %d: %s after the resume differ from the straight "
+                        "run's", path, len(saved), world, what)
+        return saved[rank] if rank < len(saved) else None
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -9,6 +9,7 @@ import inspect
 import math
 import os
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -212,6 +213,33 @@ def test_benchmark_rows_take_the_trained_models_format(tmp_path, monkeypatch):
     with tracking.start_run(tiny, "train", "t-base") as run:
         pass
     assert base_model(f"runs:/{run.info.run_id}", "/downloads/checkpoint", run.info.run_id) == "tiny"
+
+
+def test_runs_model_is_downloaded_again_when_a_resumed_run_uploads_a_newer_checkpoint(tmp_path, monkeypatch):
+    """`runs:/<id>` caches its download per `sage.checkpoint_step`: a resumed run keeps its id and uploads the model
+    of a later step, which is what is evaluated then (not the cached earlier one); untagged, the cache is kept."""
+    from flows.eval_flow import resolve_model
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with tracking.start_run(RunSpec(), "train", "t-resume") as run:
+        pass
+    rid, model = run.info.run_id, tmp_path / "final"
+    model.mkdir()
+
+    def upload(text: str, step: int | None = None) -> str:  # what runs:/<id> then evaluates
+        (model / "config.json").write_text(text)
+        tracking.log_checkpoint(model, rid)
+        if step is not None:
+            tracking.client().set_tag(rid, "sage.checkpoint_step", str(step))
+        ref, source = resolve_model(f"runs:/{rid}")
+        assert source == rid
+        return (Path(ref) / "config.json").read_text()
+
+    assert upload("a") == "a" and upload("b") == "a"  # untagged: the first download is kept
+    assert upload("step 2", 2) == "step 2"
+    assert upload("step 4", 4) == "step 4"  # the resumed run's newer model, not step 2's download
+    assert upload("step 4 again", 4) == "step 4"  # the same step: the download is reused
 
 
 def test_slug_and_run_dir(tmp_path, monkeypatch):

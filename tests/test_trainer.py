@@ -213,6 +213,27 @@ def test_resumed_dapo_filter_draws_the_fresh_prompts_of_the_straight_run(tiny_mo
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_checkpoint_keeps_the_pooled_subset_generator_and_a_resume_takes_it_back(tiny_model_dir, tmp_path):
+    """ada-seq picks a balanced subset of an extended pool with the scheduler's generator: each checkpoint holds
+    its state at that step (per process), and restore_state puts it back, so the resumed picks follow the straight
+    run's."""
+    import json
+
+    import numpy as np
+
+    from sage_core.trainer import RNG_FILE
+
+    spec = small("ada-seq", max_steps=1, save_steps=1, difficulty="mixed")
+    trainer = build_trainer(spec, tmp_path)
+    trainer.train()
+    saved = json.loads((tmp_path / "checkpoint-1" / RNG_FILE).read_text())
+    assert saved == [trainer.scheduler.rng_state()]
+    assert saved[0] != np.random.default_rng(0).bit_generator.state, "step 1 should draw (else this tests nothing)"
+    resumed = build_trainer(spec.model_copy(update={"max_steps": 2}), tmp_path)
+    resumed.restore_state(1, tmp_path / "checkpoint-1")
+    assert resumed.scheduler.rng_state() == saved[0]
+
+
 def test_a_run_started_over_writes_its_fixed_hints_again(tiny_model_dir, tmp_path):
     """resume=False (sage train --no-resume) starts over: the fixed hints in the folder are written again by the
     initial policy, not read back (a resumed run reads them), and the earlier run's checkpoints go (a later resume
