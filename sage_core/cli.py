@@ -6,9 +6,9 @@
     sage eval  --model PATH --benchmark name=path [--benchmark ...] [--k 4] [--num-prompts 32]
     sage launch --preset qwen2.5-7b [--gpus 0,1,...] [--config zero3] [--vllm-mode server] [--dry-run]
 
-A spec is built in three layers: the preset (if any), then the JSON file given with --spec, then each --set.
-An invalid value exits with code 2 and a message naming the field. Heavy imports (torch, trl, mlflow) happen
-only inside the command that needs them, so `sage --help` stays fast.
+A spec is built in three layers: the preset (tiny-cpu unless --preset names another), then the JSON file given
+with --spec, then each --set. An invalid value exits with code 2 and a message naming the field. Heavy imports
+(torch, trl, mlflow) happen only inside the command that needs them, so `sage --help` stays fast.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .hints import TeacherError
 from .models import ModelNotFound
 
 EXIT_USAGE = 2
+DEFAULT_PRESET = "tiny-cpu"  # every command's spec starts from it unless --preset names another
 
 
 class SpecError(Exception):
@@ -176,10 +177,21 @@ def result_dict(result: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- commands
+def _forget_run_id(spec, out: Path, fresh: bool = False) -> None:
+    """Remove `<output_dir>/mlflow_run_id` where the run it names is not the one to log into: a run started over
+    (`fresh`, --no-resume), or one that failed before its first step under another spec (sage_core.spec)."""
+    from .spec import has_trained, spec_changes
+    from .tracking import RUN_ID_FILE
+
+    if fresh or not has_trained(out) and spec_changes(spec, out):
+        (out / RUN_ID_FILE).unlink(missing_ok=True)
+
+
 def _open_tracking(spec, out: Path, args: argparse.Namespace) -> tuple[list, str | None]:
     """(callbacks, run id this command owns). A run id in SAGE_MLFLOW_RUN_ID (set by `sage launch --mlflow` or a
     flow that opened the run itself) is logged into but not closed here; with --mlflow and no such id, the main
-    process opens (or, after a crash, reopens) the run recorded in `<output_dir>/mlflow_run_id`."""
+    process opens (or, after a crash, reopens) the run recorded in `<output_dir>/mlflow_run_id`, or a new one with
+    --no-resume or where that run failed before its first step under another spec."""
     if os.environ.get("SAGE_MLFLOW_RUN_ID"):
         from .tracking import callback_from_env
 
@@ -188,6 +200,7 @@ def _open_tracking(spec, out: Path, args: argparse.Namespace) -> tuple[list, str
         return [], None
     from . import tracking
 
+    _forget_run_id(spec, out, fresh=args.no_resume)
     rid, resumed = tracking.resume_or_create_run(spec, "train", out, experiment=args.experiment or
                                                  tracking.DEFAULT_EXPERIMENT)
     print(f"sage train: MLflow run {rid}{' (resumed)' if resumed else ''} at {tracking.tracking_uri()}",
@@ -243,12 +256,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 def parse_benchmarks(pairs: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for pair in pairs:
-        name, sep, path = pair.partition("=")
-        if not sep or not name.strip() or not path.strip():
+        name, sep, path = (x.strip() for x in pair.partition("="))
+        if not sep or not name or not path:
             raise SpecError(f"--benchmark expects name=path, got {pair!r}")
         if name in out:
             raise SpecError(f"--benchmark {name!r} given twice")
-        out[name.strip()] = path.strip()
+        out[name] = path
     return out
 
 
@@ -322,7 +335,8 @@ def cmd_hints(args: argparse.Namespace) -> int:
     problem_sha of the problem each was written for), to train with later (`--set hint_source=teacher --set
     teacher=FILE.jsonl`). The hints go to FILE.partial.jsonl chunk by chunk; a run that stops keeps them and the next
     run asks only for the rest (hints written for another problem under the same prompt id are asked again); the
-    finished file is renamed to FILE.jsonl."""
+    finished file is renamed to FILE.jsonl. Where the teacher gave no answer for some hints, FILE.jsonl is not
+    written (one already there stays as it was), FILE.partial.jsonl keeps the others and the command exits 1."""
     spec = build_spec(args.preset, args.spec, args.set)
     teacher = args.teacher or spec.teacher
     if not teacher:
@@ -375,11 +389,17 @@ def cmd_hints(args: argparse.Namespace) -> int:
             counts[q.level]["written" if r.text is not None else "leaked" if r.leaked else "failed"] += 1
         write_hints(partial, [(pid, lv, text) for (pid, lv), text in done.items()], shas)
         print(f"hints: {min(start + args.chunk, len(reqs))}/{len(reqs)} asked, {len(done)} in {partial}", flush=True)
-    partial.replace(out)
     print(f"{'level':>5} {'written':>8} {'leaked':>7} {'failed':>7}")
     for lv in levels:
         c = counts[lv]
         print(f"{lv:>5} {c['written']:>8} {c['leaked']:>7} {c['failed']:>7}")
+    failed, leaked = (sum(c[k] for c in counts.values()) for k in ("failed", "leaked"))
+    if failed:  # the teacher gave no answer: keep what was written, and --out (a good file with --force) as it was
+        print(f"sage hints: {failed} of {len(reqs)} hints failed (the teacher gave no answer); {out} was not "
+              f"written, the {len(done)} hints written are kept in {partial}: run the same command again to ask "
+              f"only for the hints not there ({failed} failed, {leaked} leaked)", file=sys.stderr)
+        return 1
+    partial.replace(out)
     print(f"wrote {len(done)} hints for {len(rows)} prompts to {out}; train with --set hint_source=teacher "
           f"--set teacher={out}")
     return 0
@@ -424,9 +444,12 @@ def _parse_gpus(value: str | None) -> list | None:
                             f"process use {len(seen)} GPU(s)")
         return seen[:n]
     try:
-        return [int(x) for x in value.split(",") if x.strip()]
+        ids = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
         raise SpecError(f"--gpus expects a count (8) or ids (0,1,2), got {value!r}") from None
+    if twice := sorted({i for i in ids if ids.count(i) > 1}):
+        raise SpecError(f"--gpus {value}: GPU {', '.join(map(str, twice))} given more than once; each id once")
+    return ids
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -449,6 +472,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if args.mlflow:
             from . import tracking
 
+            _forget_run_id(spec, out)
             run_id, _ = tracking.resume_or_create_run(spec, "train", out, experiment=args.experiment or
                                                       tracking.DEFAULT_EXPERIMENT)
         try:
@@ -467,8 +491,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- parser
-def _add_spec_args(p: argparse.ArgumentParser, preset_default: str | None = None) -> None:
-    p.add_argument("--preset", default=preset_default, help="named preset (see `sage presets`)")
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default=DEFAULT_PRESET,
+                   help=f"named preset (see `sage presets`; default {DEFAULT_PRESET})")
     p.add_argument("--spec", metavar="FILE", help="JSON file of RunSpec fields (applied over the preset)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
                    help="override one RunSpec field, e.g. --set method=grpo --set max_steps=4 (repeatable)")
@@ -485,7 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", help="run folder (default $SAGE_HOME/runs/<method>-<spec key>)")
     p.add_argument("--mlflow", action="store_true", help="log to MLflow (MLFLOW_TRACKING_URI or $SAGE_HOME)")
     p.add_argument("--experiment", help="MLflow experiment name (with --mlflow)")
-    p.add_argument("--no-resume", action="store_true", help="start fresh even if the output dir has checkpoints")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start over: delete what an earlier run left in the output dir (checkpoint-*, final/, "
+                   "adapter/, tracker files, fixed hints) and, with --mlflow, open a new MLflow run")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="no-hint avg@k / pass@k of a model on benchmarks",
@@ -495,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model path (a run's final/ folder), 'tiny', or an HF id")
     p.add_argument("--benchmark", action="append", required=True, metavar="NAME=PATH",
                    help="benchmark name and .parquet/.jsonl file, or 'synthetic' (held-out rows); repeatable")
-    _add_spec_args(p, preset_default="tiny-cpu")
+    _add_spec_args(p)
     p.add_argument("--k", type=int, help="samples per prompt (spec eval_k)")
     p.add_argument("--num-prompts", type=int, help="prompts per benchmark (spec eval_num_prompts)")
     p.add_argument("--temperature", type=float, help="sampling temperature (spec eval_temperature)")
@@ -505,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("hints", help="write a teacher's hints for a spec's training prompts to a hints file",
                        description=cmd_hints.__doc__)
-    _add_spec_args(p, preset_default="tiny-cpu")
+    _add_spec_args(p)
     p.add_argument("--teacher", help="a local model path or an OpenAI-compatible URL (default: the spec's teacher)")
     p.add_argument("--teacher-model", help="the served model's name, for a URL (default: the spec's teacher_model)")
     p.add_argument("--levels", default="1,2,3", help="hint levels to write (default 1,2,3)")
@@ -518,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_presets)
 
     p = sub.add_parser("spec", help="print a validated RunSpec as JSON")
-    _add_spec_args(p, preset_default="tiny-cpu")
+    _add_spec_args(p)
     p.set_defaults(func=cmd_spec)
 
     p = sub.add_parser("launch", help="run a spec on GPUs with accelerate launch (+ vllm serve in server mode)")

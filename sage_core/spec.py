@@ -19,7 +19,8 @@ Weighting = Literal["none", "linear", "log", "arcsin-sqrt"]
 
 
 class RunSpec(BaseModel):
-    """Everything that defines a run. Defaults are the offline tiny-cpu preset."""
+    """Everything that defines a run. Defaults are an offline tiny run: the tiny-cpu preset (where every `sage`
+    command's spec starts unless --preset names another) but for max_steps (20 here, 12 there)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf lr or temperature: NaN weights
 
@@ -164,31 +165,40 @@ class RunFolderTaken(ValueError):
 
 
 def check_run_folder(spec: RunSpec, out: str | Path) -> None:
-    """Raise RunFolderTaken when `out` holds a run (checkpoints, tracker files, a final model or an MLflow run id)
+    """Raise RunFolderTaken when `out` holds a run (checkpoints, tracker files or a final model: has_trained)
     whose spec.json records another spec (fields outside RESUMABLE_FIELDS differ): training there would resume that
     run under the new spec, or without resuming overwrite its checkpoints, tracker and final model. A folder left by
     a run that failed before its first step, or with an unreadable spec.json, passes; a folder that is no run's is
     refused when it holds a file training writes over."""
-    from .tracking import RUN_ID_FILE
-
     out = Path(out)
     if not out.is_dir():
         return
-    if not (any(out.glob("checkpoint-*")) or any(out.glob("tracker/*.parquet")) or (out / "final").exists()
-            or (out / RUN_ID_FILE).exists()):
+    if not has_trained(out):
         # not a run: fine, unless it holds files a run writes over (TRL's model card README.md, summary.json)
         if mine := [n for n in ("README.md", "summary.json") if (out / n).exists()]:
             raise RunFolderTaken(f"{out} is not a run's folder and holds {', '.join(mine)}, which training writes "
                                  "over: pick another output dir")
         return
-    try:
-        old = json.loads((out / "spec.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # none, or unreadable
-        return
-    if not isinstance(old, dict):
-        return
-    new = json.loads(spec.model_dump_json())
-    changed = [f"{k} {old.get(k, f.default)!r} -> {new[k]!r}" for k, f in RunSpec.model_fields.items()
-               if k not in RESUMABLE_FIELDS and old.get(k, f.default) != new[k]]
-    if changed:
+    if changed := spec_changes(spec, out):
         raise RunFolderTaken(f"{out} holds a run of another spec ({'; '.join(changed)})")
+
+
+def has_trained(out: str | Path) -> bool:
+    """Whether `out` holds what a run trained: checkpoints, tracker files or a final model. An MLflow run id alone
+    (`mlflow_run_id`, written before the first step) is no run."""
+    out = Path(out)
+    return any(out.glob("checkpoint-*")) or any(out.glob("tracker/*.parquet")) or (out / "final").exists()
+
+
+def spec_changes(spec: RunSpec, out: str | Path) -> list[str]:
+    """The fields outside RESUMABLE_FIELDS where `spec` differs from the spec.json in `out`, as `field old -> new`;
+    none where there is no readable spec.json."""
+    try:
+        old = json.loads((Path(out) / "spec.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none, or unreadable
+        return []
+    if not isinstance(old, dict):
+        return []
+    new = json.loads(spec.model_dump_json())
+    return [f"{k} {old.get(k, f.default)!r} -> {new[k]!r}" for k, f in RunSpec.model_fields.items()
+            if k not in RESUMABLE_FIELDS and old.get(k, f.default) != new[k]]

@@ -162,16 +162,30 @@ def test_a_batch_that_does_not_split_over_the_processes_exits_2(capsys, tmp_path
         "process count" if world == "4" else ""), err
 
 
-def test_a_folder_where_a_run_failed_to_start_takes_another_spec(capsys, tmp_path):
-    """A run that failed before its first step leaves only its spec.json: nothing to keep, so another spec may
-    use the folder (it gets past the folder check to its own error)."""
+@pytest.mark.parametrize("mlflow", [[], ["--mlflow"]])
+def test_a_folder_where_a_run_failed_to_start_takes_another_spec(capsys, tmp_path, monkeypatch, mlflow):
+    """A run that failed before its first step leaves only its spec.json (and with --mlflow its MLflow run id):
+    nothing to keep, so another spec may use the folder (it gets past the folder check to its own error), in an
+    MLflow run of its own; the same spec again reopens its run."""
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
     out = tmp_path / "run"
-    for i in (1, 2):
+    run_ids = []
+    for i in (1, 2, 2):
         bad = tmp_path / f"rows{i}.jsonl"
         bad.write_text('{"problem": "p"}\n')
-        rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", f"data={bad}", "--output-dir", str(out))
-        assert rc == 2 and err.startswith(f"sage train: {bad}: missing column 'answer'"), err
+        rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", f"data={bad}", "--output-dir", str(out),
+                             *mlflow)
+        assert rc == 2 and f"\nsage train: {bad}: missing column 'answer'" in "\n" + err, err  # after MLflow's logs
         assert json.loads((out / "spec.json").read_text())["data"] == str(bad)
+        run_ids.append((out / "mlflow_run_id").read_text().strip() if mlflow else None)
+    if mlflow:
+        from sage_core import tracking
+
+        assert run_ids[0] != run_ids[1] == run_ids[2]
+        assert tracking.client().get_run(run_ids[0]).data.params["sage.data"] == str(tmp_path / "rows1.jsonl")
+        assert tracking.client().get_run(run_ids[1]).data.params["sage.data"] == str(tmp_path / "rows2.jsonl")
 
 
 def test_train_validation_error_exits_before_importing_train(capsys, monkeypatch):
@@ -290,6 +304,57 @@ def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
     assert '"global_step": 2' in out
 
 
+def _fake_train(monkeypatch) -> dict:
+    """sage_core.train replaced by one that records the spec it is given and trains nothing."""
+    import types
+
+    calls: dict = {}
+
+    def fake_train(spec, output_dir, callbacks=(), resume=True):
+        calls.update(spec=spec, output_dir=output_dir, resume=resume)
+        return {"output_dir": str(output_dir), "global_step": spec.max_steps, "summary": {"reward": 0.5}}
+
+    monkeypatch.setitem(sys.modules, "sage_core.train", types.SimpleNamespace(
+        train=fake_train, shutdown_distributed=lambda: None, LayoutError=type("LayoutError", (ValueError,), {})))
+    return calls
+
+
+def test_train_no_resume_with_mlflow_opens_a_new_run(capsys, tmp_path, monkeypatch):
+    """--no-resume starts the run over, in a new MLflow run (not the one `<output_dir>/mlflow_run_id` names, which
+    would get every step logged twice); without it the recorded run is reopened."""
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
+    _fake_train(monkeypatch)
+    out = tmp_path / "run"
+    argv = ["train", "--set", "max_steps=2", "--output-dir", str(out), "--mlflow", "--experiment", "cli-fresh"]
+    ids = []
+    for more in ([], ["--no-resume"], []):
+        rc, stdout, err = run_cli(capsys, *argv, *more)
+        assert rc == 0, err
+        ids.append(json.loads((out / "train_result.json").read_text())["mlflow_run_id"])
+        assert ("(resumed)" in stdout) == (len(ids) == 3)
+    assert ids[0] != ids[1] == ids[2] == (out / "mlflow_run_id").read_text().strip()
+
+
+def test_every_command_starts_from_the_tiny_cpu_preset(capsys, tmp_path, monkeypatch):
+    """Without --preset, `sage train` trains the spec `sage spec` shows (the tiny-cpu preset's), in its folder;
+    every command defaults to that preset and says so in its --help."""
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    calls = _fake_train(monkeypatch)
+    rc, out, _ = run_cli(capsys, "spec")
+    shown = RunSpec(**json.loads(out))
+    assert rc == 0 and shown.max_steps == PRESETS["tiny-cpu"]["max_steps"]
+    rc, _, err = run_cli(capsys, "train")
+    assert rc == 0, err
+    assert calls["spec"] == shown and calls["output_dir"] == cli.default_output_dir(shown)
+    parser = cli.build_parser()
+    for command in ("train", "eval", "hints", "spec", "launch"):
+        sub = parser._subparsers._group_actions[0].choices[command]
+        assert sub.get_default("preset") == "tiny-cpu"
+        assert "default tiny-cpu" in " ".join(sub.format_help().split())
+
+
 def test_default_output_dir_is_keyed_by_spec(monkeypatch, tmp_path):
     monkeypatch.setenv("SAGE_HOME", str(tmp_path))
     a = cli.build_spec("tiny-cpu", None, ["method=grpo"])
@@ -304,6 +369,8 @@ def test_eval_argument_errors(capsys):
     assert rc == 2 and "name=path" in err
     rc, _, err = run_cli(capsys, "eval", "--model", "m", "--benchmark", "a=x", "--benchmark", "a=y")
     assert rc == 2 and "given twice" in err
+    rc, _, err = run_cli(capsys, "eval", "--model", "m", "--benchmark", "gsm=a.jsonl", "--benchmark", "gsm =b.jsonl")
+    assert rc == 2 and "--benchmark 'gsm' given twice" in err  # the same name once spaces are stripped
     rc, _, err = run_cli(capsys, "eval", "--model", "m", "--benchmark", "a=x", "--k", "0")
     assert rc == 2 and "eval_k: Input should be greater than or equal to 1" in err
     with pytest.raises(SystemExit):
@@ -361,6 +428,9 @@ def test_launch_layout_errors_exit_2(capsys, tmp_path):
     rc, _, err = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "0", "--dry-run",
                          "--output-dir", str(tmp_path))
     assert rc == 2 and "no CUDA GPU" in err
+    rc, _, err = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "0,1,0,1,2", "--dry-run",
+                         "--output-dir", str(tmp_path))
+    assert rc == 2 and "--gpus 0,1,0,1,2: GPU 0, 1 given more than once" in err
 
 
 def test_train_tiny_end_to_end_with_mlflow(capsys, tmp_path, tiny_model_dir, monkeypatch):

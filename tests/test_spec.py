@@ -39,3 +39,17 @@ def test_a_folder_that_is_no_runs_is_refused_when_training_would_write_over_its_
     assert (tmp_path / "README.md").read_text() == "# my experiment notes"
     (tmp_path / "checkpoint-1").mkdir()  # a run's folder: its own model card, written over as it trains
     check_run_folder(RunSpec(), tmp_path)
+
+
+def test_an_mlflow_run_id_alone_is_no_run(tmp_path):
+    """A run that failed before its first step with --mlflow leaves spec.json and mlflow_run_id: nothing trained,
+    so the folder takes another spec; once it holds trained steps (tracker files) it is that spec's run."""
+    from sage_core.spec import RunFolderTaken, check_run_folder
+
+    (tmp_path / "spec.json").write_text(RunSpec(data="rows1.jsonl").model_dump_json())
+    (tmp_path / "mlflow_run_id").write_text("0123abcd\n")
+    check_run_folder(RunSpec(data="rows2.jsonl"), tmp_path)
+    (tmp_path / "tracker").mkdir()
+    (tmp_path / "tracker" / "step_000001.parquet").write_bytes(b"")
+    with pytest.raises(RunFolderTaken, match=r"another spec \(data 'rows1.jsonl' -> 'rows2.jsonl'\)"):
+        check_run_folder(RunSpec(data="rows2.jsonl"), tmp_path)
