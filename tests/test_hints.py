@@ -519,3 +519,37 @@ def test_sage_hints_resumes_only_the_hints_written_for_the_same_problems(monkeyp
     assert {(r["prompt_id"], r["hint"], r["problem_sha"]) for r in rows} == {
         ("syn-0-0", "hard hint .", shas["syn-0-0"]), ("syn-0-1", "Work from left to right .", shas["syn-0-1"]),
         ("syn-0-2", "Work from left to right .", shas["syn-0-2"])}
+
+
+def test_sage_hints_with_failed_hints_exits_1_keeping_the_partial_file_and_the_old_one(monkeypatch, tmp_path,
+                                                                                        capsys):
+    """Hints the teacher gave no answer for (down, overloaded) fail the command: exit 1 saying how many, --out not
+    written (a good file there stays, even with --force), the written hints kept in FILE.partial.jsonl; the same
+    command again asks only for the failed ones and then writes --out."""
+    from sage_core import cli
+
+    _fast_retries(monkeypatch)
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    out, partial = tmp_path / "teacher.jsonl", tmp_path / "teacher.partial.jsonl"
+    write_hints(out, [("syn-0-0", 1, "a good hint .")])
+    good = out.read_text()
+    args = ["hints", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--out", str(out), "--force"]
+    assert cli.main([*args, "--teacher", "http://127.0.0.1:9/v1"]) == 1  # nothing listens there
+    err = capsys.readouterr().err
+    assert "sage hints: 6 of 6 hints failed" in err and "run the same command again" in err
+    assert out.read_text() == good and partial.exists() and read_hints(partial) == {}
+    down = [True]
+
+    def answer(body):
+        return (503, "overloaded") if down[0] and "level 2 hint" in body["messages"][-1]["content"] else \
+            (200, "Work from left to right .")
+
+    with _ChatEndpoint(answer) as teacher:
+        assert cli.main([*args, "--teacher", teacher.url]) == 1
+        assert "sage hints: 2 of 6 hints failed" in capsys.readouterr().err
+        assert out.read_text() == good and set(read_hints(partial)) == {(f"syn-0-{i}", lv) for i in (0, 1)
+                                                                           for lv in (1, 3)}
+        down[0], asked = False, len(teacher.bodies)
+        assert cli.main([*args, "--teacher", teacher.url]) == 0
+        assert len(teacher.bodies) - asked == 2  # only the failed ones
+    assert len(read_hints(out)) == 6 and not partial.exists()
