@@ -1,6 +1,6 @@
 """Named RunSpec presets: `tiny-cpu` (offline, minutes on 2 cores), `smollm2-cpu` (a real 135M instruct model
 from a PyPI wheel, slow) and the paper's GPU settings for three instruct models (vLLM, 128 prompts x 8 rollouts,
-lr 1e-6, response 8192, clip 0.2/0.28, no KL)."""
+4 for qwen3-4b, lr 1e-6, response 8192, clip 0.2/0.28, no KL)."""
 
 from __future__ import annotations
 
