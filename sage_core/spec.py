@@ -167,9 +167,10 @@ class RunFolderTaken(ValueError):
 def check_run_folder(spec: RunSpec, out: str | Path) -> None:
     """Raise RunFolderTaken when `out` holds a run (checkpoints, tracker files or a final model: has_trained)
     whose spec.json records another spec (fields outside RESUMABLE_FIELDS differ): training there would resume that
-    run under the new spec, or without resuming overwrite its checkpoints, tracker and final model. A folder left by
-    a run that failed before its first step, or with an unreadable spec.json, passes; a folder that is no run's is
-    refused when it holds a file training writes over."""
+    run under the new spec, or without resuming overwrite its checkpoints, tracker and final model; so does a folder
+    holding checkpoints without a spec.json (another trainer's). A folder left by a run that failed before its first
+    step, or with an unreadable spec.json, passes; a folder that is no run's is refused when it holds a file training
+    writes over."""
     out = Path(out)
     if not out.is_dir():
         return
@@ -179,6 +180,10 @@ def check_run_folder(spec: RunSpec, out: str | Path) -> None:
             raise RunFolderTaken(f"{out} is not a run's folder and holds {', '.join(mine)}, which training writes "
                                  "over: pick another output dir")
         return
+    if not (out / "spec.json").exists():  # every SAGE run writes one before its first step
+        raise RunFolderTaken(f"{out} holds checkpoints, tracker files or a final model but no spec.json: not a SAGE "
+                             "run's folder (another trainer's output dir?), which training would resume from or, "
+                             "with --no-resume, delete: pick another output dir")
     if changed := spec_changes(spec, out):
         raise RunFolderTaken(f"{out} holds a run of another spec ({'; '.join(changed)})")
 

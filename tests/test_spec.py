@@ -37,7 +37,10 @@ def test_a_folder_that_is_no_runs_is_refused_when_training_would_write_over_its_
     with pytest.raises(RunFolderTaken, match=r"not a run's folder and holds README.md"):
         check_run_folder(RunSpec(), tmp_path)
     assert (tmp_path / "README.md").read_text() == "# my experiment notes"
-    (tmp_path / "checkpoint-1").mkdir()  # a run's folder: its own model card, written over as it trains
+    (tmp_path / "checkpoint-1").mkdir()  # checkpoints without spec.json: another trainer's output dir
+    with pytest.raises(RunFolderTaken, match=r"no spec.json: not a SAGE run's folder"):
+        check_run_folder(RunSpec(), tmp_path)
+    (tmp_path / "spec.json").write_text(RunSpec().model_dump_json())  # a run's folder: its own model card
     check_run_folder(RunSpec(), tmp_path)
 
 
