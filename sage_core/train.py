@@ -342,6 +342,11 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     done = state is not None and (step >= trainer.args.max_steps or bool(
         spec.rollout_budget and RolloutBudget.spent_in(state.log_history) >= spec.rollout_budget))
     keep = done and final_step(final) == step  # final/ is this checkpoint's model already
+    if done and not keep and getattr(trainer, "is_deepspeed_enabled", False):
+        # ZeRO shards load only inside HF's training loop: resume as before (it trains one more step)
+        log.warning("%s: %s is done but final/ is not its model; under DeepSpeed it is loaded by resuming, which "
+                    "trains one step more", output_dir, ckpt.name)
+        done = False
     if not done:
         trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     else:  # nothing left to train: HF's Trainer would train one step more past the checkpoint and save over final/

@@ -302,6 +302,16 @@ def test_a_done_run_run_again_trains_nothing_and_keeps_its_model(tiny_model_dir,
     res2 = train(budget, tmp_path / "b", callbacks=[Final()])
     assert res2.global_step == 2 and not (tmp_path / "b" / "checkpoint-3").exists()
     assert [c[1] for c in calls] == [2, 2] and calls[0][2] == calls[1][2]
+    # killed between its last checkpoint and final/: the rerun writes final/ from the checkpoint, training nothing
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.rmtree(tmp_path / "b" / "final")
+    res3 = train(budget, tmp_path / "b", callbacks=[Final()])
+    assert res3.global_step == 2 and not (tmp_path / "b" / "checkpoint-3").exists()
+    got, saved = (load_file(str(p / "model.safetensors")) for p in (res3.checkpoint_dir, tmp_path / "b" / "checkpoint-2"))
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in got)
 
 
 def test_a_resume_saves_at_its_own_save_steps(tiny_model_dir, tmp_path):
