@@ -51,6 +51,11 @@ def extract_boxed(text: str) -> str | None:
     i = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if i < 0:
         return None
+    # "\\boxed" followed by a word is prose about boxes ("in \\boxed notation"), not an answer: take the box before
+    while re.match(r"\\(?:boxed|fbox) *[A-Za-z]{2,}(?![{}^_\\\w])", text[i:i + 64]):
+        i = max(text.rfind("\\boxed", 0, i), text.rfind("\\fbox", 0, i))
+        if i < 0:
+            return None
     j = i + (6 if text.startswith("\\boxed", i) else 5)
     while j < len(text) and text[j] == " ":
         j += 1
@@ -150,6 +155,11 @@ def _too_hard(expr: str) -> bool:
         return True
     if re.search(r"\d{5,}\s*!|\d{3,}\s*!\s*!|\\binom\s*\{?\s*\d{5,}", expr):  # 99999!, 9999!!, \binom{10^9}...
         return True
+    # a sum or product in brackets raised to a 4-digit power: (x+1)^{9999} expands for seconds
+    for m in re.finditer(r"[)}]\s*(?:\^|\*\*)\s*\{?\s*\(?\s*(\d{4})", expr):
+        base = expr[_group_start(expr, m.start()):m.start()]
+        if re.search(r"[a-zA-Z]", base) and re.search(r"[-+*/]|\\cdot", base):
+            return True
     for m in re.finditer(r"[)}]\s*!", expr):  # (10^{9})!, ((9999)!)!
         start = _group_start(expr, m.start())
         if any(c in expr[start:m.start()] for c in "^!") or re.search(r"\d{5,}", expr[start:m.start()]):

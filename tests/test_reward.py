@@ -23,6 +23,7 @@ HOSTILE = [
     "\\boxed{((9999)!)!}",
     "\\boxed{9999!!}",
     "\\boxed{\\binom{1000000000}{500000000}}",
+    "\\boxed{(x+1)^{9999}}",
     "\\boxed{" + "{" * 2000 + "1" + "}" * 2000 + "}",
     "\\boxed{" + "\\frac{1}{" * 300 + "2" + "}" * 300 + "}",
     "\\boxed{" + "1+" * 50_000 + "1}",
@@ -45,6 +46,10 @@ HOSTILE = [
     ("\\boxed 5", "5"),
     ("no box here 9", None),
     ("\\boxed{3", None),
+    # \boxed followed by a word is prose about boxes, not an answer: the box before it counts
+    ("so \\boxed{9} , in \\boxed notation", "9"),
+    ("put it in \\boxed form", None),
+    ("\\boxed x", "x"),
     ("", None),
 ])
 def test_extract_boxed_takes_the_last_balanced_box(text, expected):
