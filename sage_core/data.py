@@ -550,16 +550,11 @@ def eval_rows(spec: Any):
         return to_dataset(rows)
     eval_splits = ("test", "validation")
     if not Path(spec.data).expanduser().is_file():
-        others = tuple(s for s in eval_splits if s != spec.data_split)
-        missing: list[MissingSplit] = []
-        for split in others:
-            try:
-                return load_rows(spec.data, split=split, limit=n, system_prompt=system)
-            except MissingSplit as e:
-                missing.append(e)
-        if spec.data_split not in eval_splits:
-            raise DataError(f"{spec.data}: no {' or '.join(map(repr, others))} split for evaluation "
-                            f"({missing[-1].__cause__})")
+        try:
+            return load_benchmark(spec.data, n, system, splits=tuple(s for s in eval_splits if s != spec.data_split))
+        except MissingSplit:
+            if spec.data_split not in eval_splits:
+                raise
     records, name = read_records(spec.data, spec.data_split)
     rest = records[spec.num_prompts:spec.num_prompts + n]
     if not rest:
@@ -570,7 +565,7 @@ def eval_rows(spec: Any):
 def load_benchmark(source: str, limit: int | None = None, system_prompt: str | None = None,
                    splits: Sequence[str] = ("test", "validation", "train")):
     """A benchmark's rows: a file as it is; a dataset folder or HF name (NAME[:CONFIG]) from the first of `splits`
-    it has (MATH-500 has only 'test', some AIME sets only 'train')."""
+    it has (MATH-500 has only 'test', some AIME sets only 'train'); a MissingSplit (a DataError) where it has none."""
     if Path(source).expanduser().is_file():
         return load_rows(source, limit=limit, system_prompt=system_prompt)
     missing: list[MissingSplit] = []
@@ -579,4 +574,4 @@ def load_benchmark(source: str, limit: int | None = None, system_prompt: str | N
             return load_rows(source, split=split, limit=limit, system_prompt=system_prompt)
         except MissingSplit as e:
             missing.append(e)
-    raise DataError(f"{source}: no {' or '.join(map(repr, splits))} split for evaluation ({missing[-1].__cause__})")
+    raise MissingSplit(f"{source}: no {' or '.join(map(repr, splits))} split for evaluation ({missing[-1].__cause__})")

@@ -205,8 +205,8 @@ def leaks(hint: str, answer: str) -> bool:
     """True when the hint reveals the final answer: it contains a \\boxed{} answer, or the gold answer itself. A
     numeric answer is matched by value in any form a number is written in (9 and 9.0; 0.5, 1/2 and \\frac{1}{2}; 1234
     and 1,234; 5\\text{ cm} as 5; forty-two, two thirds, negative five in words) as a standalone number: "19" does
-    not reveal 9, and "12 - 3" is a step, not the answer. Any other answer is matched as text in one typesetting (spaces, $ and \\text{} wrappers dropped), as a
-    token of its own where it starts or ends with a letter or digit."""
+    not reveal 9, and "12 - 3" is a step, not the answer. Any other answer is matched as text in one typesetting
+    (spaces, $ and \\text{} wrappers dropped), as a token of its own where it starts or ends with a letter or digit."""
     if "\\boxed" in hint:
         return True
     answer = str(answer)

@@ -90,6 +90,7 @@ def _group_after(expr: str, i: int) -> str:
 
 
 TOWER_LIMIT = 10**4  # a number in an exponent up to this is fine: 2^{2^3}; 10^{10^{10}} is not
+_DECIMAL = re.compile(r"\d+(?:\.\d+)?")
 
 
 def _tower(t: str, i: int = 0) -> tuple[float, int] | None:
@@ -101,7 +102,7 @@ def _tower(t: str, i: int = 0) -> tuple[float, int] | None:
             return None
         base, j = inner[0], inner[1] + 1
     else:
-        m = re.compile(r"\d+(?:\.\d+)?").match(t, i)
+        m = _DECIMAL.match(t, i)
         if m is None:
             return None
         base, j = float(m.group()), m.end()
