@@ -1,6 +1,10 @@
 """Wall-clock overhead of hinting and curation methods against GRPO, on the same setting and the same steps.
 
     python benchmarks/overhead.py [--preset tiny-cpu] [--steps 8] [--methods grpo,sage-light,sage] [--repeats 3]
+    python benchmarks/overhead.py --methods grpo,sage,sage:lookahead=true --set use_vllm=true   # a variant
+
+A method may carry settings of its own after colons (`sage:lookahead=true:hint_retries=0`, RunSpec fields as in
+--set): a variant of a method, timed in the same rounds as the others and named by that string in the table.
 
 Every method trains from the same warm-started tiny model on the same prompts with the same seed. The table prints
 training time (model loading excluded) as a ratio to GRPO (this trainer's, method=grpo) and to TRL's own
@@ -74,16 +78,27 @@ def run_trl_grpo(spec) -> dict:
                 collapsed=sum(h["frac_reward_zero_std"] for h in steps) / len(steps), rescued=0)
 
 
+def split_variant(name: str) -> tuple[str, dict]:
+    """`sage:lookahead=true:hint_retries=0` -> ("sage", {"lookahead": "true", "hint_retries": "0"}): a method and
+    the RunSpec fields its variant sets (checked as --set's are: an unknown field is named)."""
+    from sage_core.cli import parse_sets
+
+    method, *pairs = name.split(":")
+    return method.strip(), parse_sets(pairs)
+
+
 def run_once(preset_name: str, steps: int, method: str, overrides: dict) -> dict:
     from sage_core.presets import preset
     from sage_core.train import train
 
+    name, (method, own) = method, split_variant(method)
+    overrides = {**overrides, **own}
     spec = preset(preset_name, method="grpo" if method == TRL_GRPO else method, max_steps=steps, **overrides)
     if method == TRL_GRPO:
-        return run_trl_grpo(spec)
+        return {**run_trl_grpo(spec), "method": name}
     with tempfile.TemporaryDirectory() as out, _quiet():
         res = train(spec, Path(out), resume=False)
-    return dict(method=method, seconds=res.summary["train_seconds"], rollouts=res.summary["rollouts"],
+    return dict(method=name, seconds=res.summary["train_seconds"], rollouts=res.summary["rollouts"],
                 gen_tokens=res.summary["gen_tokens"], train_tokens=res.summary["train_tokens"],
                 open_groups=res.summary["open_groups"], gen_seconds=res.summary["gen_seconds"],
                 hint_seconds=res.summary["hint_seconds"], activation_mb=res.summary["activation_mb"],
@@ -138,7 +153,7 @@ def report(rows: list[dict]) -> str:
             f"{'passes':>10}{'rollouts':>10}{'never solved':>14}{'(no hint)':>11}{'collapsed':>11}{'rescued':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        target = TARGETS.get(r["method"])
+        target = TARGETS.get(r["method"].split(":")[0])
         mark = "" if target is None else f"<={target} {_verdict(r['ratio'], target)}/" + _verdict(
             r.get("vs_trl", math.nan), target)
         spread = f"{r.get('ratio_min', r['ratio']):.2f}-{r.get('ratio_max', r['ratio']):.2f}"
@@ -176,6 +191,11 @@ def main(argv=None) -> int:
         overrides["num_prompts"] = args.prompts
     overrides.setdefault("measure_activations", True)  # the act MB column (a saved-tensor hook: cheap)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:
+        for m in methods:
+            split_variant(m)
+    except SpecError as e:
+        ap.error(f"--methods: {e}")
     if "grpo" not in methods:
         methods.insert(0, "grpo")
     if args.repeats < 1:

@@ -21,10 +21,10 @@ def _bench(name: str):
 
 def test_overhead_bench_ratios_work_and_signal(tiny_model_dir):
     ob = _bench("overhead")
-    rows = ob.run("tiny-cpu", 2, ["grpo", ob.TRL_GRPO, "sage"],
+    rows = ob.run("tiny-cpu", 2, ["grpo", ob.TRL_GRPO, "sage", "sage:lookahead=true"],
                   dict(num_prompts=8, prompts_per_step=4, measure_activations=True), repeats=1)
     by = {r["method"]: r for r in rows}
-    grpo, trl, sage = by["grpo"], by[ob.TRL_GRPO], by["sage"]
+    grpo, trl, sage, ahead = by["grpo"], by[ob.TRL_GRPO], by["sage"], by["sage:lookahead=true"]
     assert grpo["ratio"] == grpo["gen_x"] == grpo["train_x"] == trl["vs_trl"] == 1.0
     # stock TRL GRPO rolls out and trains the same rows as method=grpo (counted from TRL's own metrics)
     assert trl["rollouts"] == grpo["rollouts"] and trl["gen_x"] == pytest.approx(1.0)
@@ -50,11 +50,24 @@ def test_overhead_bench_ratios_work_and_signal(tiny_model_dir):
     assert 0 < sage["hint_share"] and sage["gen_share"] + sage["hint_share"] < 1
     table = ob.report(rows)
     lines = table.splitlines()
-    assert "s/open x" in lines[0] and "x TRL" in lines[0] and len(lines) == 5
+    assert "s/open x" in lines[0] and "x TRL" in lines[0] and len(lines) == 6
     target = ob.TARGETS["sage"]  # the verdicts against this trainer's GRPO, then TRL's
-    verdicts = "/".join("MISS" if x > target else "ok" for x in (sage["ratio"], sage["vs_trl"]))
-    assert lines[4].startswith("sage") and f" <={target} {verdicts} " in lines[4]
+    for line, r in ((lines[4], sage), (lines[5], ahead)):  # a variant is judged by its method's target
+        verdicts = "/".join("MISS" if x > target else "ok" for x in (r["ratio"], r["vs_trl"]))
+        assert line.startswith(r["method"] + " ") and f" <={target} {verdicts} " in line
     assert not math.isnan(sage["gen_share"])
+    # the variant ran with its own setting: the same search, its later levels rolled in fewer passes (the same
+    # seed and first rollout; the levels it rolled ahead and did not need count as spent)
+    assert ahead["passes"][0] < sage["passes"][0] and ahead["rollouts"] >= sage["rollouts"]
+
+
+def test_overhead_bench_method_variants():
+    ob = _bench("overhead")
+    assert ob.split_variant("sage") == ("sage", {})
+    assert ob.split_variant("sage:lookahead=true:hint-retries=0") == ("sage", {"lookahead": "true",
+                                                                             "hint_retries": "0"})
+    with pytest.raises(SystemExit):  # an unknown field is refused before anything trains
+        ob.main(["--methods", "grpo,sage:lookahed=true"])
 
 
 def test_learning_bench_compares_paired_no_hint_scores(tiny_model_dir, capsys):
