@@ -99,6 +99,14 @@ class SAGE(Scheduler):
     def lookahead(self, pid: str, tries: Tries, action: Action) -> list[Action]:
         return [Action(lvl) for lvl in range(action.level + 1, MAX_LEVEL + 1)]
 
+    def finalize(self, pid: str, tries: Tries) -> Selection:
+        """The level the search stopped at when it stopped on a success (mixed rewards, or all correct: advantage 0,
+        but that is the hint that was used); else, every level failed, the unhinted group (advantage 0)."""
+        last = len(tries) - 1
+        if any(r > 0 for r in tries[last][1]):
+            return Selection([(last, j) for j in range(len(tries[last][1]))])
+        return super().finalize(pid, tries)
+
 
 class SAGELight(Scheduler):
     name = "sage-light"

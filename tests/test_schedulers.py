@@ -35,6 +35,12 @@ def test_sage_trains_on_the_rescued_group_else_the_unhinted_one():
     assert sel.picks == [(2, j) for j in range(4)] and sel.weight == 1.0
     sel = s.finalize("x", [(0, [0] * 4), (1, []), (2, [0] * 4), (3, [0] * 4)])
     assert sel.picks == [(0, j) for j in range(4)]
+    # a hinted group that got every rollout right ends the search like a mixed one: that level is the one trained
+    # (advantage 0 either way, but the tracker and the level metrics then show the hint that was used and solved it)
+    sel = s.finalize("x", [(0, [0] * 4), (1, [0] * 4), (2, [1] * 4)])
+    assert s.next_action("x", [(0, [0] * 4), (1, [0] * 4), (2, [1] * 4)]) is None
+    assert sel.picks == [(2, j) for j in range(4)]
+    assert s.finalize("x", [(0, [1] * 4)]).picks == [(0, j) for j in range(4)]
 
 
 @pytest.mark.parametrize("acc,before,after", [(0.0, 0, 1), (0.0, 3, 3), (0.125, 2, 2), (0.5, 2, 1), (1.0, 0, 0)])
