@@ -25,6 +25,8 @@ COLUMNS = [
     "acc_l3", "leak_l1", "leak_l2", "leak_l3", "hint_failed", "rollouts", "completions", "rewards", "pilot_rewards",
     "method", "origin_id", "trained",
 ]
+# float columns, NaN where a step has no value (a level not tried): float64 in every file, never a column of None
+FLOAT_COLUMNS = ["base_pass_rate", "pass_rate", "acc_l1", "acc_l2", "acc_l3"]
 
 
 class PromptTracker:
@@ -65,6 +67,7 @@ class PromptTracker:
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"step_{step:06d}.parquet"
         df = pd.DataFrame([{c: rec.get(c) for c in COLUMNS} | {"step": step} for rec in records], columns=COLUMNS)
+        df[FLOAT_COLUMNS] = df[FLOAT_COLUMNS].astype("float64")  # all None (no prompt tried level 3): NaN, not null
         tmp = path.with_suffix(".parquet.tmp")
         df.to_parquet(tmp, index=False)
         tmp.replace(path)
@@ -79,10 +82,14 @@ class PromptTracker:
     def discard_after(self, step: int) -> list[Path]:
         """Delete the files of steps after `step` (a run resuming from that step's checkpoint, or 0 for a fresh
         start): they belong to a trajectory the run does not follow, e.g. steps a killed run wrote after its last
-        checkpoint. Returns them; only the writing process deletes."""
+        checkpoint. Returns them; only the writing process deletes. It also deletes the `step_*.parquet.tmp` files
+        of any step (not returned): `record` writes one and renames it at once, so one that is there was left by
+        a process killed in between (the step's file, if the rename happened, is whole)."""
         stale = [f for f in self.files() if step_of(f.name) > step]
         if self.write:
             for f in stale:
+                f.unlink(missing_ok=True)
+            for f in self.dir.glob("step_*.parquet.tmp"):
                 f.unlink(missing_ok=True)
         return stale
 
@@ -104,8 +111,13 @@ def read_tracker(directory: str | Path, columns: list[str] | None = None) -> pd.
     """All tracker files of a run as one frame (pyarrow reads only the requested columns)."""
     files = sorted(Path(directory).glob("step_*.parquet"))
     if not files:
-        return pd.DataFrame(columns=columns or COLUMNS)
-    return pd.concat([pd.read_parquet(f, columns=columns) for f in files], ignore_index=True)
+        df = pd.DataFrame(columns=columns or COLUMNS)
+    else:
+        df = pd.concat([pd.read_parquet(f, columns=columns) for f in files], ignore_index=True)
+    for c in FLOAT_COLUMNS:  # files written before these were float64 hold None in an object column where a step
+        if c in df.columns:  # had no value at all
+            df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
+    return df
 
 
 def _isnan(x) -> bool:
