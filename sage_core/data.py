@@ -449,18 +449,38 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
                f"answer-free from the problem only")
         logger.warning(msg)
         warnings.warn(msg, stacklevel=3)
-    _check_unique(rows, source)
+    check_unique(rows, source)
     return rows
 
 
-def _check_unique(rows: list[dict[str, Any]], source: str) -> None:
+def check_unique(rows: Sequence[Mapping[str, Any]], source: str) -> None:
+    """A DataError naming the prompt ids that more than one row of `rows` (in the row schema) has: training groups
+    rollouts, and evaluation keys results, by prompt id."""
     seen: dict[str, int] = {}
     for r in rows:
         seen[r["prompt_id"]] = seen.get(r["prompt_id"], 0) + 1
     dups = [k for k, c in seen.items() if c > 1]
     if dups:
-        raise DataError(f"{source}: {len(dups)} duplicated prompt ids (groups are keyed by prompt id), "
-                         f"e.g. {dups[:5]}; give each row a unique 'prompt_id'/'id'/'index'")
+        raise DataError(f"{source}: {len(dups)} prompt ids are given to more than one row, e.g. {dups[:5]}; groups "
+                        "and results are keyed by prompt id: give each row a unique 'prompt_id'/'id'/'index'")
+
+
+ROW_COLUMNS = ("prompt", "problem", "solution", "answer", "prompt_id", "difficulty")
+
+
+def is_normalised(row: Mapping[str, Any]) -> bool:
+    """Whether `row` already is in the row schema, as normalise_records returns it (normalising it again changes
+    none of these columns): a chat prompt with a user turn, str problem/solution/prompt_id, an answer free of
+    \\boxed{} and of GSM8K's '####', an int difficulty."""
+    if not all(c in row for c in ROW_COLUMNS):
+        return False
+    prompt, answer, difficulty = row["prompt"], row["answer"], row["difficulty"]
+    return (isinstance(prompt, list) and all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                                             and isinstance(m.get("content"), str) for m in prompt)
+            and any(m["role"] == "user" for m in prompt)
+            and all(isinstance(row[c], str) for c in ("problem", "solution", "answer", "prompt_id"))
+            and bool(row["problem"].strip()) and bool(answer) and strip_boxed(answer) == answer
+            and split_gsm8k(answer) is None and isinstance(difficulty, int) and not isinstance(difficulty, bool))
 
 
 def to_dataset(rows: list[dict[str, Any]]):

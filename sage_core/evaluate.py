@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,21 +26,20 @@ COLUMNS = ["benchmark", "k", "avg_at_k", "pass_at_k", "n_prompts"]
 
 
 def _as_rows(rows: Any, name: str = "rows") -> list[dict[str, Any]]:
-    """Benchmark rows as dicts: a file path is loaded (with the data loader's checks); rows given directly are
-    checked here, before anything is generated: each has an answer, and no two share a prompt id (results are
-    keyed by it; a row without one is keyed by its index)."""
-    from .data import DataError, load_benchmark
+    """Benchmark rows in the row schema (sage_core.data), checked before anything is generated: a file path is
+    loaded as the data loader loads it; rows given directly (dicts, a Dataset) are normalised the same way
+    (data.normalise_records: GSM8K's '#### 72' answers, \\boxed{} answers, problem/question columns, ids), unless
+    every one already is in the schema (a loader's rows, evaluated again): those are kept as they are. No two rows
+    may share a prompt id: results are keyed by it."""
+    from .data import check_unique, is_normalised, load_benchmark, normalise_records
 
     if isinstance(rows, (str, bytes)) or hasattr(rows, "__fspath__"):
         rows = load_benchmark(str(rows))
     out = [dict(r) for r in rows]
-    if lacking := [i for i, r in enumerate(out) if "answer" not in r]:
-        raise DataError(f"{name}: {len(lacking)} rows have no 'answer' (rows {lacking[:5]})")
-    counts = Counter(str(r.get("prompt_id", i)) for i, r in enumerate(out))
-    if dups := sorted(x for x, c in counts.items() if c > 1):
-        raise DataError(f"{name}: {len(dups)} prompt ids are given to more than one row, e.g. {dups[:5]}; results "
-                        "are keyed by prompt id: give each row its own")
-    return out
+    if all(is_normalised(r) for r in out):
+        check_unique(out, name)
+        return out
+    return normalise_records(out, name)  # raises DataError on a row without an answer, or on shared prompt ids
 
 
 def _messages(row: Mapping[str, Any]) -> list[dict[str, str]]:

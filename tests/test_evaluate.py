@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sage_core import data, models, prompts
-from sage_core.evaluate import COLUMNS, evaluate, evaluate_rows, render_prompt, summarise
+from sage_core.evaluate import COLUMNS, _as_rows, evaluate, evaluate_rows, render_prompt, summarise
 
 
 class FakeModel(torch.nn.Module):
@@ -88,13 +88,53 @@ def test_rows_given_directly_with_a_shared_prompt_id_or_no_answer_are_refused_be
     with pytest.raises(data.DataError, match="rows: 1 prompt ids"):
         evaluate_rows(fake, tok, rows, k=2)
     assert fake.seen_prompts == []  # nothing was generated
-    with pytest.raises(data.DataError, match=r"bench: 1 rows have no 'answer' \(rows \[0\]\)"):
+    with pytest.raises(data.DataError, match=r"bench: missing column 'answer' .*columns found: \['problem'\]"):
         evaluate((fake, tok), {"bench": [{"problem": "1 + 1 ?"}]}, k=2)
+    with pytest.raises(data.DataError, match=r"bench: row 1 has no 'answer'"):
+        evaluate((fake, tok), {"bench": [{"problem": "1 + 1 ?", "answer": "2"}, {"problem": "2 + 2 ?"}]}, k=2)
     with pytest.raises(ValueError, match="given to more than one row"):
         summarise([{"prompt_id": "a", "answer": "1"}] * 2, [["\\boxed{1}"], ["\\boxed{2}"]], k=1)
     res = summarise([{"prompt_id": "a", "answer": "1"}, {"prompt_id": "b", "answer": "2"}],
                     [["\\boxed{1}"], ["\\boxed{3}"]], k=1)
     assert res["completions"] == {"a": ["\\boxed{1}"], "b": ["\\boxed{3}"]}
+
+
+@pytest.mark.filterwarnings("ignore:.*answer-free")
+def test_rows_given_directly_are_normalised_as_files_are(tok):
+    """Rows passed to evaluate() in a source layout (GSM8K's 'rationale #### 72' answer cell, a \\boxed{} answer, a
+    'question' column, 'id') were scored against the raw answer text (never right) or failed on the missing
+    'problem'; they go through the file loader's normalise_records, so they score as the same rows from a file."""
+    rows = data.synthetic_rows(3, seed=6)
+    raw = [{"question": rows[0]["problem"], "answer": f"Add <<7+5=12>> then.\n#### {rows[0]['answer']}", "id": 0},
+           {"question": rows[1]["problem"], "answer": f"\\boxed{{{rows[1]['answer']}}}", "id": 1},
+           {"problem": rows[2]["problem"], "gt": f"${rows[2]['answer']}$", "id": 2}]
+    fake = FakeModel(tok, rows)
+    df = evaluate((fake, tok), {"raw": raw, "schema": rows}, k=2)
+    assert df["avg_at_k"].tolist() == [1.0, 1.0] and df["n_prompts"].tolist() == [3, 3]
+    res = evaluate_rows(fake, tok, raw, k=1)
+    assert res["per_prompt"] == {"0": 1.0, "1": 1.0, "2": 1.0}
+    norm = _as_rows(raw)
+    assert [r["answer"] for r in norm] == [r["answer"] for r in rows]
+    assert norm[0]["solution"] == "Add  then." and norm[0]["prompt"] == rows[0]["prompt"]
+    assert _as_rows([{"question": "q", "answer": "so\n#### 1,233"}])[0]["answer"] == "1233"
+
+
+@pytest.mark.filterwarnings("ignore:.*answer-free")
+def test_rows_already_in_the_schema_are_kept_as_they_are():
+    """A loader's rows (a Dataset, its to_list(), or rows sent to the trainer venv and read back) are not normalised
+    again: each comes back equal, extra columns kept; one row in a source layout normalises the list, which leaves
+    the schema rows' columns unchanged. Shared ids are refused either way, naming them."""
+    rows = data.synthetic_rows(3, seed=7)
+    extra = [r | {"note": "kept"} for r in rows]
+    assert _as_rows(extra) == extra
+    assert _as_rows(data.to_dataset(rows)) == rows
+    mixed = _as_rows(rows + [{"question": "Tom has 3 pens .", "answer": "#### 3", "id": "x"}])
+    assert mixed[:3] == rows and mixed[3]["answer"] == "3" and mixed[3]["prompt_id"] == "x"
+    dup = [rows[0], rows[1] | {"prompt_id": rows[0]["prompt_id"]}]
+    for given in (dup, dup + [{"question": "q", "answer": "1", "id": rows[0]["prompt_id"]}]):
+        with pytest.raises(data.DataError, match=rf"b: 1 prompt ids are given to more than one row, e.g. "
+                                                 rf"\['{rows[0]['prompt_id']}'\]"):
+            _as_rows(given, "b")
 
 
 def test_render_prompt_uses_the_row_prompt_or_problem(tok):
