@@ -27,7 +27,7 @@ from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
 from transformers import TrainerCallback
 
 from sage_core import tracking
-from sage_core.spec import RunSpec
+from sage_core.spec import RunSpec, recorded_spec
 
 SUMMARY_KEYS = ("never_solved", "never_solved_no_hint", "frac_collapsed", "frac_rescued", "rollouts", "rescued",
                 "prompts_seen", "reward", "train_seconds", "gen_tokens", "train_tokens", "open_groups")
@@ -59,11 +59,10 @@ def folder_for(experiment: str, label: str, spec: RunSpec, force: bool = False) 
     where the folder holds a run whose spec.json records another spec (resumed there by hand with, say, max_steps
     changed: resuming it under this spec would report that run's model, trained for other steps, as this one's)."""
     out = run_dir(experiment, label, spec, fresh=force)
-    try:
-        recorded = RunSpec.model_validate_json((out / "spec.json").read_text(encoding="utf-8")).key()
-    except (OSError, ValueError):  # none (a new folder), or unreadable: sage train's own check decides
+    recorded = recorded_spec(out)
+    if recorded is None:  # none (a new folder), or unreadable: sage train's own check decides
         return out
-    return run_dir(experiment, label, spec, fresh=True) if recorded != spec.key() else out
+    return run_dir(experiment, label, spec, fresh=True) if recorded.key() != spec.key() else out
 
 
 def code_version() -> str:

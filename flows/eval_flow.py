@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -24,6 +23,7 @@ from pydantic import Field
 from flows.common import resolve_benchmarks, run_eval, slug
 from flows.params import PresetName, resolve_spec
 from sage_core import tracking
+from sage_core.spec import recorded_fields
 
 
 def resolve_model(model: str) -> tuple[str, str | None]:
@@ -51,12 +51,9 @@ def base_model(model: str, ref: str, source_run: str | None) -> str:
     if source_run is not None:
         return tracking.client().get_run(source_run).data.params.get("sage.model") or model
     folder = Path(ref).expanduser()
-    for spec_file in (folder / "spec.json", folder.parent / "spec.json"):
-        if folder.is_dir() and spec_file.is_file():
-            try:
-                return json.loads(spec_file.read_text()).get("model") or model
-            except (OSError, ValueError, AttributeError):
-                break  # not a training run's spec: the model as given
+    for run in (folder, folder.parent):
+        if folder.is_dir() and (run / "spec.json").is_file():  # unreadable: not a run's spec, the model as given
+            return (recorded_fields(run) or {}).get("model") or model
     return model
 
 

@@ -195,14 +195,33 @@ def has_trained(out: str | Path) -> bool:
     return any(out.glob("checkpoint-*")) or any(out.glob("tracker/*.parquet")) or (out / "final").exists()
 
 
-def spec_changes(spec: RunSpec, out: str | Path) -> list[str]:
-    """The fields outside RESUMABLE_FIELDS where `spec` differs from the spec.json in `out`, as `field old -> new`;
-    none where there is no readable spec.json."""
+def recorded_fields(out: str | Path) -> dict | None:
+    """The fields a run recorded in `<out>/spec.json` (train() writes it before the first step), as the file has
+    them; None where there is none or it is unreadable (not JSON, or not an object). The one reader of that file:
+    recorded_spec validates what it returns, spec_changes compares it field by field."""
     try:
-        old = json.loads((Path(out) / "spec.json").read_text(encoding="utf-8"))
+        fields = json.loads((Path(out) / "spec.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):  # none, or unreadable
-        return []
-    if not isinstance(old, dict):
+        return None
+    return fields if isinstance(fields, dict) else None
+
+
+def recorded_spec(out: str | Path) -> RunSpec | None:
+    """The RunSpec recorded in `<out>/spec.json` (fields it lacks at their defaults); None where there is none or it
+    is unreadable, including one this RunSpec refuses (a field it does not have, a value out of its bounds)."""
+    if (fields := recorded_fields(out)) is None:
+        return None
+    try:
+        return RunSpec.model_validate(fields)
+    except ValueError:  # pydantic's ValidationError
+        return None
+
+
+def spec_changes(spec: RunSpec, out: str | Path) -> list[str]:
+    """The fields outside RESUMABLE_FIELDS where `spec` differs from the spec.json in `out`, as `field old -> new`
+    (a field the file lacks counts as its default); none where there is no readable spec.json. The file's values
+    are compared as recorded, so one this RunSpec would refuse (an older version's) still counts as a change."""
+    if (old := recorded_fields(out)) is None:
         return []
     new = json.loads(spec.model_dump_json())
     return [f"{k} {old.get(k, f.default)!r} -> {new[k]!r}" for k, f in RunSpec.model_fields.items()

@@ -261,6 +261,27 @@ def test_slug_and_run_dir(tmp_path, monkeypatch):
     assert common.folder_for("My Exp", "sage-online", s) == d
 
 
+def test_folder_for_reads_spec_json_as_sage_core_does(tmp_path, monkeypatch):
+    """folder_for reads the folder's spec.json with sage_core.spec.recorded_spec, as sage train's folder check
+    does: a spec.json recording only some fields (the rest at their defaults) is the spec it describes; one this
+    RunSpec refuses is unreadable (sage train's own check decides)."""
+    from sage_core import spec as spec_mod
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path))
+    s = RunSpec()
+    d = common.run_dir("e", "l", s)
+    d.mkdir(parents=True)
+    (d / "spec.json").write_text('{"model": "tiny"}')  # every other field at its default: this spec
+    assert spec_mod.recorded_spec(d) == s and common.folder_for("e", "l", s) == d
+    (d / "spec.json").write_text('{"max_steps": 7}')
+    assert common.folder_for("e", "l", s) != d
+    (d / "spec.json").write_text('{"max_steps": 0}')  # refused by RunSpec (ge=1)
+    assert spec_mod.recorded_spec(d) is None and common.folder_for("e", "l", s) == d
+    seen = []
+    monkeypatch.setattr(common, "recorded_spec", lambda out: seen.append(out) or s)
+    assert common.folder_for("e", "l", s) == d and seen == [d]
+
+
 # ----------------------------------------------------------------------------------------------- flows (harness)
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory, prefect_server):

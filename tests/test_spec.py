@@ -56,3 +56,34 @@ def test_an_mlflow_run_id_alone_is_no_run(tmp_path):
     (tmp_path / "tracker" / "step_000001.parquet").write_bytes(b"")
     with pytest.raises(RunFolderTaken, match=r"another spec \(data 'rows1.jsonl' -> 'rows2.jsonl'\)"):
         check_run_folder(RunSpec(data="rows2.jsonl"), tmp_path)
+
+
+def test_one_reader_of_a_runs_spec_json(tmp_path):
+    """recorded_fields reads `<out>/spec.json` (for spec_changes, hence check_run_folder) and recorded_spec validates
+    it (for the flows' folder_for): fields the file lacks at their defaults; None where there is none or it is
+    unreadable, and for recorded_spec one this RunSpec refuses, which spec_changes still compares as recorded."""
+    from sage_core.spec import RunFolderTaken, check_run_folder, recorded_fields, recorded_spec, spec_changes
+
+    assert recorded_spec(tmp_path) is None and recorded_fields(tmp_path / "new") is None
+    spec = RunSpec(data="rows1.jsonl", max_steps=3)
+    (tmp_path / "spec.json").write_text(spec.model_dump_json(indent=2))
+    assert recorded_spec(tmp_path) == spec and recorded_spec(str(tmp_path)) == spec
+    assert recorded_fields(tmp_path) == spec.model_dump()
+    (tmp_path / "spec.json").write_text('{"method": "grpo"}')
+    assert recorded_spec(tmp_path) == RunSpec(method="grpo")
+    assert spec_changes(RunSpec(method="grpo", max_steps=5), tmp_path) == []  # resumable field only
+    assert spec_changes(RunSpec(), tmp_path) == ["method 'grpo' -> 'sage'"]
+    (tmp_path / "tracker").mkdir()
+    (tmp_path / "tracker" / "step_000001.parquet").write_bytes(b"")
+    with pytest.raises(RunFolderTaken, match=r"another spec \(method 'grpo' -> 'sage'\)"):
+        check_run_folder(RunSpec(), tmp_path)
+    for unreadable in ("{not json", "[1, 2]", ""):
+        (tmp_path / "spec.json").write_text(unreadable)
+        assert recorded_fields(tmp_path) is None and recorded_spec(tmp_path) is None
+        assert spec_changes(RunSpec(), tmp_path) == []
+        check_run_folder(RunSpec(), tmp_path)  # unreadable: passes
+    for refused in ('{"method": "nope"}', '{"method": "grpo", "field_of_another_version": 1}'):
+        (tmp_path / "spec.json").write_text(refused)
+        assert recorded_spec(tmp_path) is None and recorded_fields(tmp_path)["method"] in ("nope", "grpo")
+        with pytest.raises(RunFolderTaken, match=r"another spec \(method '(nope|grpo)' -> 'sage'\)"):
+            check_run_folder(RunSpec(), tmp_path)
