@@ -62,6 +62,8 @@ def folder_for(experiment: str, label: str, spec: RunSpec, force: bool = False) 
     recorded = recorded_spec(out)
     if recorded is None:  # none (a new folder), or unreadable: sage train's own check decides
         return out
+    # the URL of the vLLM server a launch starts is written into the spec it records: not another spec
+    recorded = recorded.model_copy(update={"vllm_server_base_url": spec.vllm_server_base_url})
     return run_dir(experiment, label, spec, fresh=True) if recorded.key() != spec.key() else out
 
 

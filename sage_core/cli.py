@@ -21,6 +21,7 @@ import os
 import re
 import sys
 from pathlib import Path
+import typing
 from typing import Any
 
 from .data import DataError
@@ -38,7 +39,7 @@ class SpecError(Exception):
 # ---------------------------------------------------------------------------------------------- spec building
 def parse_sets(pairs: list[str] | None) -> dict[str, Any]:
     """`key=value` strings to a dict. Values stay strings (pydantic coerces '5', '1e-6', 'true' to the field's
-    type); 'none'/'null' become None. Unknown keys are rejected with a suggestion."""
+    type); 'none'/'null' become None for a field that takes None. Unknown keys are rejected with a suggestion."""
     from .spec import RunSpec
 
     fields = RunSpec.model_fields
@@ -52,8 +53,14 @@ def parse_sets(pairs: list[str] | None) -> dict[str, Any]:
             close = difflib.get_close_matches(key, list(fields), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise SpecError(f"unknown RunSpec field {key!r} in --set {pair!r}{hint}")
-        out[key] = None if value.strip().lower() in ("none", "null") else value
+        out[key] = None if value.strip().lower() in ("none", "null") and _takes_none(fields[key]) else value
     return out
+
+
+def _takes_none(field) -> bool:
+    """Whether a RunSpec field can be None (`--set rollout_budget=none`); for a field that cannot, 'none' is the
+    value itself (`--set weighting=none`, a choice of its own) or refused by the field's own check."""
+    return field.annotation is None or type(None) in typing.get_args(field.annotation)
 
 
 def load_spec_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -457,22 +464,23 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     spec = build_spec(args.preset, args.spec, args.set)
     out = Path(args.output_dir).resolve() if args.output_dir else default_output_dir(spec)
-    check_run_dir(spec, out)
     kw = {"gpus": _parse_gpus(args.gpus), "config": args.config, "vllm_mode": args.vllm_mode,
           "server_gpus": args.server_gpus, "port": args.port, "server_gpu_mem": args.server_gpu_mem}
     try:
+        p = L.plan(spec, out, **kw)  # layout errors before any MLflow run is opened
+        # the folder against the spec the ranks train and record (the layout's vllm_mode, its server's URL): the
+        # same launch run again resumes there
+        check_run_dir(p.spec, out)
         if args.dry_run:
-            p = L.plan(spec, out, **kw)
             print(f"# layout: {p.layout.describe()}")
             print(f"# spec file: {p.spec_path} (written by launch)")
             print(p.shell())
             return 0
-        L.plan(spec, out, **kw)  # layout errors before any MLflow run is opened
         run_id = None
         if args.mlflow:
             from . import tracking
 
-            _forget_run_id(spec, out)
+            _forget_run_id(p.spec, out)
             run_id, _ = tracking.resume_or_create_run(spec, "train", out, experiment=args.experiment or
                                                       tracking.DEFAULT_EXPERIMENT)
         try:

@@ -56,6 +56,19 @@ def test_spec_layers_preset_file_and_sets(capsys, tmp_path):
     assert d["max_completion_length"] == PRESETS["tiny-cpu"]["max_completion_length"]  # from the preset
 
 
+def test_set_none_is_a_value_where_the_field_takes_no_none(capsys, tmp_path):
+    """`none` is None for a field that can be None, and the value itself for one that cannot: weighting's default
+    choice is the string 'none', which --set can put back over a spec file."""
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"weighting": "log", "rollout_budget": 64}))
+    rc, out, err = run_cli(capsys, "spec", "--spec", str(f), "--set", "weighting=none", "--set", "rollout_budget=none")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["weighting"] == "none" and d["rollout_budget"] is None
+    rc, _, err = run_cli(capsys, "spec", "--set", "max_steps=none")  # an int field: refused by its own check
+    assert rc == 2 and "max_steps" in err
+
+
 def test_spec_defaults_to_tiny_cpu(capsys):
     rc, out, _ = run_cli(capsys, "spec")
     assert rc == 0 and json.loads(out)["max_steps"] == PRESETS["tiny-cpu"]["max_steps"]
@@ -407,6 +420,25 @@ def test_launch_dry_run_prints_commands(capsys, tmp_path, monkeypatch):
     rc, out, _ = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "0,1,2,3,4,5,6,7", "--dry-run",
                          "--output-dir", str(tmp_path))
     assert rc == 0 and "zero3.yaml --num_processes 8" in out and "vllm serve" not in out
+
+
+def test_launch_run_again_resumes_in_its_folder(capsys, tmp_path, monkeypatch):
+    """The same `sage launch --vllm-mode server` run again passes the folder check: the ranks record the spec they
+    train (vllm_mode server, the server's URL), and the check compares the launch's spec, not the preset's."""
+    from sage_core import launch as L
+    from sage_core.presets import preset
+
+    monkeypatch.delenv("SAGE_TRAIN_VENV", raising=False)
+    args = ("launch", "--preset", "qwen2.5-7b", "--gpus", "0,1", "--vllm-mode", "server", "--dry-run",
+            "--output-dir", str(tmp_path))
+    recorded = L.plan(preset("qwen2.5-7b"), tmp_path, gpus=[0, 1], vllm_mode="server").spec
+    assert recorded.vllm_mode == "server" and recorded.vllm_server_base_url
+    (tmp_path / "spec.json").write_text(recorded.model_dump_json())  # what the ranks' train() writes
+    (tmp_path / "checkpoint-50").mkdir()
+    rc, out, err = run_cli(capsys, *args)
+    assert rc == 0 and "vllm serve" in out, err
+    rc, _, err = run_cli(capsys, *args[:5], "--output-dir", str(tmp_path), "--dry-run")  # colocate: another spec
+    assert rc == 2 and "vllm_mode 'server' -> 'colocate'" in err
 
 
 def test_launch_gpu_count_takes_the_gpus_the_scheduler_gave(capsys, tmp_path, monkeypatch):

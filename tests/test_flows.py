@@ -277,6 +277,10 @@ def test_folder_for_reads_spec_json_as_sage_core_does(tmp_path, monkeypatch):
     assert common.folder_for("e", "l", s) != d
     (d / "spec.json").write_text('{"max_steps": 0}')  # refused by RunSpec (ge=1)
     assert spec_mod.recorded_spec(d) is None and common.folder_for("e", "l", s) == d
+    # a launch in vLLM server mode records the URL of the server it started: the same spec, resumed there
+    (d / "spec.json").write_text(s.model_copy(update={"vllm_server_base_url": "http://127.0.0.1:8000"})
+                                 .model_dump_json())
+    assert common.folder_for("e", "l", s) == d
     seen = []
     monkeypatch.setattr(common, "recorded_spec", lambda out: seen.append(out) or s)
     assert common.folder_for("e", "l", s) == d and seen == [d]
