@@ -38,7 +38,8 @@ SEARCH_TTL = 30
 
 # tracker columns loaded for the whole run (small, numeric or short strings)
 LIGHT_COLUMNS = ["step", "prompt_id", "difficulty", "base_pass_rate", "base_state", "level", "max_level_tried",
-                 "pass_rate", "rescued", "hint_failed", "rollouts", "leak_l1", "leak_l2", "leak_l3", "method"]
+                 "pass_rate", "acc_l1", "acc_l2", "acc_l3", "rescued", "hint_failed", "rollouts", "leak_l1",
+                 "leak_l2", "leak_l3", "method"]
 # tracker columns read per prompt (explorer)
 DETAIL_COLUMNS = ["step", "prompt_id", "problem", "answer", "difficulty", "base_pass_rate", "base_state", "level",
                   "max_level_tried", "pass_rate", "rescued", "hint", "hint_l1", "hint_l2", "hint_l3", "acc_l1",
@@ -212,16 +213,22 @@ def _history_live(uri: str, run_id: str, keys: tuple[str, ...]) -> pd.DataFrame:
 
 
 @st.cache_data(show_spinner=False, max_entries=256)
-def _history_done(uri: str, run_id: str, keys: tuple[str, ...], status: str) -> pd.DataFrame:
+def _history_done(uri: str, run_id: str, keys: tuple[str, ...], status: str, ended: str) -> pd.DataFrame:
     return _history(uri, run_id, keys)
 
 
-def metric_history(uri: str, run_id: str, keys, status: str) -> pd.DataFrame:
-    """Long frame run_id, key, step, value for the given metric keys."""
+def metric_history(uri: str, run_id: str, keys, status: str, end_time=None) -> pd.DataFrame:
+    """Long frame run_id, key, step, value for the given metric keys. An ended run's history is read once per end:
+    `end_time` (the runs frame's) is in the cache key, so a run resumed and ended again with the same status
+    (a FINISHED run trained on with more max_steps) is read again."""
     keys = tuple(sorted(set(keys)))
     if status == "RUNNING" or status == "SCHEDULED":
         return _history_live(uri, run_id, keys)
-    return _history_done(uri, run_id, keys, status)
+    return _history_done(uri, run_id, keys, status, _end_key(end_time))
+
+
+def _end_key(end_time) -> str:
+    return "" if end_time is None or pd.isna(end_time) else str(end_time)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -306,10 +313,12 @@ def _defaults(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
 
 
 @st.cache_data(show_spinner="Reading the per-prompt tracker ...", max_entries=16)
-def tracker_frame(uri: str, run_id: str, artifact_uri: str, n_files: int) -> pd.DataFrame:
+def tracker_frame(uri: str, run_id: str, artifact_uri: str, n_files: int, ended: str = "") -> pd.DataFrame:
     """The light tracker columns of every step of a run, one row per (step, prompt), as one frame.
 
-    Cached by (run_id, n_files): a new step file of a live run changes the key, a finished run is read once.
+    Cached by (run_id, n_files, ended): a new step file of a live run changes the key, an ended run is read once
+    per end (`ended`, its end time: a resumed run that trained its last steps again, under the same file names,
+    ends again later).
     """
     names = _list_tracker(uri, run_id, artifact_uri)[:n_files] if n_files else []
     if not names:
@@ -327,7 +336,7 @@ def tracker_frame(uri: str, run_id: str, artifact_uri: str, n_files: int) -> pd.
         df[col] = pd.to_numeric(df[col], errors="coerce").fillna(-1 if col == "difficulty" else 0).astype("int32")
     for col in ("rescued", "hint_failed", "leak_l1", "leak_l2", "leak_l3"):
         df[col] = df[col].fillna(False).astype(bool)
-    for col in ("base_pass_rate", "pass_rate"):
+    for col in ("base_pass_rate", "pass_rate", "acc_l1", "acc_l2", "acc_l3"):
         df[col] = pd.to_numeric(df[col], errors="coerce").astype("float32")
     return df.sort_values(["step", "prompt_id"], kind="stable").reset_index(drop=True)
 
@@ -457,7 +466,8 @@ def prompt_summary(frame: pd.DataFrame) -> pd.DataFrame:
         _all0=frame["base_state"].astype(str) == "all0",
         _all1=frame["base_state"].astype(str) == "all1",
         _coll=collapsed_mask(frame),
-        _solved=frame["pass_rate"].fillna(0) > 0,
+        # solved: a correct rollout at all, the trained group's or a tried hint level's (as sage/never_solved)
+        _solved=(frame["pass_rate"].fillna(0) > 0) | _any_level_solved(frame),
         _solved_base=frame["base_pass_rate"].fillna(0) > 0,
     )
     g = f.groupby("prompt_id", observed=True)
@@ -478,6 +488,11 @@ def prompt_summary(frame: pd.DataFrame) -> pd.DataFrame:
     }).reset_index()
     out["prompt_id"] = out["prompt_id"].astype(str)
     return out
+
+
+def _any_level_solved(frame: pd.DataFrame) -> pd.Series:
+    levels = [frame[c].fillna(0) > 0 for c in ("acc_l1", "acc_l2", "acc_l3") if c in frame]
+    return pd.concat(levels, axis=1).any(axis=1) if levels else pd.Series(False, index=frame.index)
 
 
 def collapsed_mask(frame: pd.DataFrame) -> pd.Series:
@@ -621,4 +636,4 @@ def pick_run_with_tracker(ctx: Context, key: str) -> tuple[str, pd.DataFrame, in
 def tracker_for(ctx: Context, run_id: str) -> tuple[pd.DataFrame, int]:
     r = ctx.run(run_id)
     n = len(tracker_files(ctx.uri, run_id, r["artifact_uri"]))
-    return tracker_frame(ctx.uri, run_id, r["artifact_uri"], n), n
+    return tracker_frame(ctx.uri, run_id, r["artifact_uri"], n, _end_key(r.get("end_time"))), n

@@ -141,6 +141,33 @@ def test_runs_page_while_every_run_is_still_running(monkeypatch, tmp_path):
     assert set(table["status"]) == {"RUNNING"} and table["minutes"].isna().all()
 
 
+def test_a_run_resumed_and_ended_again_is_read_again(tmp_path):
+    """A FINISHED run trained on (more max_steps) ends FINISHED again: its history and tracker are read again, not
+    served from the cache of its first end."""
+    from mlflow.tracking import MlflowClient
+
+    from dashboards import data as D
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = MlflowClient(uri)
+    rid = c.create_run(c.create_experiment("resumed")).info.run_id
+    c.log_metric(rid, "reward", 0.1, step=1)
+    c.set_terminated(rid, "FINISHED", end_time=1_000)
+    exp = c.get_run(rid).info.experiment_id
+
+    def row():
+        D.runs.clear()  # the runs search is cached for seconds: the page's next rerun after that
+        return D.runs(uri, exp).set_index("run_id").loc[rid]
+
+    run = row()
+    assert list(D.metric_history(uri, rid, ["reward"], run["status"], run["end_time"])["step"]) == [1]
+    c.log_metric(rid, "reward", 0.2, step=2)  # the resumed run's steps, then its second end
+    c.set_terminated(rid, "FINISHED", end_time=2_000)
+    again = row()
+    assert again["status"] == run["status"] and again["end_time"] != run["end_time"]
+    assert list(D.metric_history(uri, rid, ["reward"], again["status"], again["end_time"])["step"]) == [1, 2]
+
+
 # ------------------------------------------------------------------------------------------------ a real run
 
 
@@ -276,7 +303,9 @@ def test_levels_page_sorting_and_never_solved(monkeypatch, dashboard_store):
     fr = s["sage"]["frame"]
     at = _ok(_app(monkeypatch, s["uri"]).run())
     _ok(at.switch_page(PAGES["levels"]).run())
-    never = set(fr.groupby("prompt_id")["pass_rate"].max().loc[lambda x: x == 0].index)
+    # never solved: no correct rollout at all, in the trained group or at a hint level tried (as sage/never_solved)
+    best = fr[["pass_rate", "acc_l1", "acc_l2", "acc_l3"]].fillna(0).max(axis=1).groupby(fr["prompt_id"]).max()
+    never = set(best.loc[lambda x: x == 0].index)
     assert _metrics(at)["Never solved"] == str(len(never))
     table = _frame(at, "never_solved")
     assert list(table["difficulty"]) == sorted(table["difficulty"], reverse=True)  # default: hardest first

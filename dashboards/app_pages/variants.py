@@ -99,7 +99,7 @@ for _, c in children.iterrows():
     keys = {k for k in metrics if k != NO_HINT}
     if NO_HINT in metrics:
         keys |= {"sage/base_pass_rate", "reward"}
-    h = D.metric_history(ctx.uri, c["run_id"], keys, c["status"])
+    h = D.metric_history(ctx.uri, c["run_id"], keys, c["status"], c["end_time"])
     if h.empty:
         continue
     h = h.assign(variant=c["variant"])
