@@ -464,6 +464,44 @@ class ModelNotFound(FileNotFoundError):
     """A model given as a local path (or the smollm2 package) that is not there."""
 
 
+class BadModelFile(ModelNotFound):
+    """A local model that is there but cannot be loaded: a folder without weights, a truncated weights file, a file
+    that is not GGUF. The message names the file and what is wrong (the CLI shows it as a one-line error)."""
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_local_model(folder: Path, gguf_file: str | None = None) -> None:
+    """Cheap checks of a local model before transformers reads it (whose errors name a hub URL or no file): the
+    GGUF file is there and starts with the GGUF magic; a folder has weights, and each .safetensors file's header
+    (which also fixes the file's size) reads. Raises ModelNotFound / BadModelFile naming the file."""
+    if gguf_file is not None:
+        g = folder / gguf_file
+        if not g.is_file():
+            raise ModelNotFound(f"GGUF file not found: {g.resolve()} (gguf_file={gguf_file!r} in the model folder "
+                                f"{folder.resolve()})")
+        with g.open("rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise BadModelFile(f"{g.resolve()} is not a GGUF file (it does not start with the GGUF magic bytes)")
+        return
+    if not folder.is_dir():
+        return
+    if not any((folder / w).is_file() for w in WEIGHT_FILES) and not any(folder.glob("*.safetensors")):
+        raise BadModelFile(f"model folder {folder.resolve()} has no weights ({' or '.join(WEIGHT_FILES[::2])}): "
+                           "a model saved without them, or whose save did not finish")
+    from safetensors import SafetensorError, safe_open
+
+    for weights in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as e:
+            raise BadModelFile(f"{weights.resolve()} cannot be read as safetensors ({e}): a truncated or damaged "
+                               "weights file") from None
+
+
 def _looks_local(name: str) -> bool:
     """A path rather than an HF id ('org/name'): absolute, relative with ./ or ../, under ~, or two folders deep."""
     return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1
@@ -485,7 +523,7 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
     if name == "smollm2":
         gguf = smollm2_gguf()
         name, gguf_file = str(gguf.parent), gguf.name
-    elif name.endswith(".gguf") and gguf_file is None:
+    elif name.lower().endswith(".gguf") and gguf_file is None:
         p = Path(name).expanduser()
         if not p.is_file():
             raise ModelNotFound(f"GGUF file not found: {p}")
@@ -515,14 +553,22 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
         raise ModelNotFound(f"{what} {local.resolve()} has no config.json: not a saved model, which is a folder (a "
                             "run's trained model is its final/ or a checkpoint-N/ folder, or a LoRA run's adapter "
                             "folder) or a .gguf file")
+    if local.exists():
+        check_local_model(local, gguf_file)
+    from safetensors import SafetensorError
+
     try:
         if gguf_file is None and _is_generic_fast_tokenizer(name):
             tokenizer = PreTrainedTokenizerFast.from_pretrained(name)  # e.g. a checkpoint of the tiny model
         else:
             tokenizer = AutoTokenizer.from_pretrained(name, **tok_kwargs)
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-    except OSError as e:
-        if local.exists():
+    except (OSError, ValueError, SafetensorError) as e:
+        if local.exists():  # a local model the checks above passed that still does not load: say which and why
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            where = local / gguf_file if gguf_file is not None else local
+            raise BadModelFile(f"model {where.resolve()} cannot be loaded: {why}") from e
+        if not isinstance(e, OSError):
             raise
         # 'runs/final' reads as an HF id: say both readings, and why the hub one failed (offline, no such id)
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -321,3 +321,34 @@ def test_the_core_meter_counts_other_processes_and_leaves_out_this_one():
     assert models._train_threads(crowded) == 1
     assert alone < crowded - 0.5, (alone, crowded)
     assert models._train_threads(0.0) == want and models._train_threads(cores - 1.0) == 1
+
+
+def test_local_models_that_cannot_load_are_clear_errors_naming_the_file(tmp_path, capsys):
+    """A GGUF file not in its folder (transformers named a hub URL), a file that is not GGUF, a model folder without
+    weights, and a truncated safetensors file (SafetensorError named no file) are ModelNotFound errors naming the
+    path and what is wrong; `sage eval` shows them as one line and exits 2."""
+    from safetensors.torch import save_file
+
+    from sage_core import cli
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(models.ModelNotFound, match=rf"GGUF file not found: {empty}/x\.gguf \(gguf_file='x.gguf'"):
+        models.load_policy(str(empty), "x.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("hello\n")
+    with pytest.raises(models.BadModelFile, match=rf"{bad} is not a GGUF file"):
+        models.load_policy(str(bad))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    with pytest.raises(models.BadModelFile, match=rf"model folder {folder} has no weights"):
+        models.load_policy(str(folder))
+    weights = folder / "model.safetensors"
+    save_file({"w": torch.zeros(64, 64)}, str(weights))
+    weights.write_bytes(weights.read_bytes()[:2000])
+    with pytest.raises(models.BadModelFile, match=rf"{weights} cannot be read as safetensors \(.+\): a truncated"):
+        models.load_policy(str(folder))
+    assert cli.main(["eval", "--model", str(folder), "--benchmark", "s=synthetic"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sage eval: {weights} cannot be read as safetensors") and err.count("\n") == 1
