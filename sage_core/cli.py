@@ -342,14 +342,19 @@ def cmd_hints(args: argparse.Namespace) -> int:
     problem_sha of the problem each was written for), to train with later (`--set hint_source=teacher --set
     teacher=FILE.jsonl`). The hints go to FILE.partial.jsonl chunk by chunk; a run that stops keeps them and the next
     run asks only for the rest (hints written for another problem under the same prompt id are asked again); the
-    finished file is renamed to FILE.jsonl. Where the teacher gave no answer for some hints, FILE.jsonl is not
-    written (one already there stays as it was), FILE.partial.jsonl keeps the others and the command exits 1."""
+    finished file is renamed to FILE.jsonl. Hints there that are not for this spec's problems (another spec's prompt
+    ids, another problem under one id) are never dropped: they stay in FILE.partial.jsonl and go on into FILE.jsonl
+    (one hints file holds hints for several problems, told apart by problem_sha). Where the teacher gave no answer
+    for some hints, FILE.jsonl is not written (one already there stays as it was), FILE.partial.jsonl keeps the
+    others and the command exits 1."""
     spec = build_spec(args.preset, args.spec, args.set)
     teacher = args.teacher or spec.teacher
     if not teacher:
         raise SpecError("--teacher (or the spec's teacher): a local model path or an OpenAI-compatible URL "
                         "(http[s]://host/v1)")
-    if teacher.endswith((".jsonl", ".json", ".parquet")):
+    from .hints import is_hints_file
+
+    if is_hints_file(teacher):
         raise SpecError(f"--teacher {teacher}: already a hints file; give the model that writes them")
     try:
         levels = sorted({int(x) for x in args.levels.split(",")})
@@ -371,14 +376,19 @@ def cmd_hints(args: argparse.Namespace) -> int:
 
     rows = build_dataset(spec)
     shas = {r["prompt_id"]: problem_sha(r["problem"]) for r in rows}
-    # another spec's problems, or hints without problem_sha: asked again
     variants = read_hint_variants(partial) if partial.exists() else {}
-    done, stale = pick_hints({k: v for k, v in variants.items() if k[0] in shas}, shas, loose=False)
-    stale += [k for k in variants if k[0] not in shas]
-    if done or stale:
+    done, redo = pick_hints({k: v for k, v in variants.items() if k[0] in shas}, shas, loose=False)
+    redo = [k for k in redo if k[1] in levels]
+    # every other hint there (another spec's prompt ids; another problem's, or one without problem_sha, under this
+    # spec's ids): the teacher wrote it, so it goes into every rewrite of the file and into --out, as it is
+    kept = [(pid, lv, text, sha) for (pid, lv), by_sha in variants.items() for sha, text in by_sha.items()
+            if not (pid in shas and sha == shas[pid])]
+    other_ids = sum(pid not in shas for pid, *_ in kept)
+    if done or kept:
         print(f"resuming: {len(done)} hints already in {partial}"
-              + (f"; {len(stale)} others there were not written for this spec's problems (their problem_sha differs "
-                 "or is missing): asked again" if stale else ""))
+              + (f"; {len(redo)} others there were not written for this spec's problems (their problem_sha differs "
+                 "or is missing): asked again, the old ones kept beside them" if redo else "")
+              + (f"; {other_ids} hints for prompt ids not in this spec: kept as they are" if other_ids else ""))
     reqs = [HintRequest(r["prompt_id"], r["problem"], r["solution"], r["answer"], lvl)
             for r in rows for lvl in levels if (r["prompt_id"], lvl) not in done]
     source = TeacherHints(teacher, args.teacher_model or spec.teacher_model, spec.hint_max_tokens)
@@ -394,8 +404,9 @@ def cmd_hints(args: argparse.Namespace) -> int:
             if r.text is not None:
                 done[(q.prompt_id, q.level)] = r.text
             counts[q.level]["written" if r.text is not None else "leaked" if r.leaked else "failed"] += 1
-        write_hints(partial, [(pid, lv, text) for (pid, lv), text in done.items()], shas)
-        print(f"hints: {min(start + args.chunk, len(reqs))}/{len(reqs)} asked, {len(done)} in {partial}", flush=True)
+        write_hints(partial, [(pid, lv, text, shas[pid]) for (pid, lv), text in done.items()] + kept)
+        print(f"hints: {min(start + args.chunk, len(reqs))}/{len(reqs)} asked, {len(done)} for this spec in "
+              f"{partial}" + (f" (and {len(kept)} others kept)" if kept else ""), flush=True)
     print(f"{'level':>5} {'written':>8} {'leaked':>7} {'failed':>7}")
     for lv in levels:
         c = counts[lv]
@@ -403,12 +414,16 @@ def cmd_hints(args: argparse.Namespace) -> int:
     failed, leaked = (sum(c[k] for c in counts.values()) for k in ("failed", "leaked"))
     if failed:  # the teacher gave no answer: keep what was written, and --out (a good file with --force) as it was
         print(f"sage hints: {failed} of {len(reqs)} hints failed (the teacher gave no answer); {out} was not "
-              f"written, the {len(done)} hints written are kept in {partial}: run the same command again to ask "
-              f"only for the hints not there ({failed} failed, {leaked} leaked)", file=sys.stderr)
+              f"written, the {len(done)} hints written" + (f" and the {len(kept)} for other problems" if kept else "")
+              + f" are kept in {partial}: run the same command again to ask only for the hints not there "
+              f"({failed} failed, {leaked} leaked)", file=sys.stderr)
         return 1
+    # written once more (also when nothing was asked), so every row of this spec carries its problem_sha
+    write_hints(partial, [(pid, lv, text, shas[pid]) for (pid, lv), text in done.items()] + kept)
     partial.replace(out)
-    print(f"wrote {len(done)} hints for {len(rows)} prompts to {out}; train with --set hint_source=teacher "
-          f"--set teacher={out}")
+    print(f"wrote {len(done)} hints for {len(rows)} prompts to {out}"
+          + (f", with the {len(kept)} hints for other problems that {partial} held ({len(done) + len(kept)} in all)"
+             if kept else "") + f"; train with --set hint_source=teacher --set teacher={out}")
     return 0
 
 
@@ -437,6 +452,9 @@ def _parse_gpus(value: str | None) -> list | None:
     if value is None:
         return None
     value = value.strip()
+    if not value.strip(", "):
+        raise SpecError(f"--gpus {value!r}: blank; give a count (8) or ids (0,1,2), or leave --gpus out to use every "
+                        "visible GPU")
     if value.isdigit() and "," not in value:
         from .launch import visible_gpus
 
@@ -454,6 +472,9 @@ def _parse_gpus(value: str | None) -> list | None:
         ids = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
         raise SpecError(f"--gpus expects a count (8) or ids (0,1,2), got {value!r}") from None
+    if negative := [i for i in ids if i < 0]:
+        raise SpecError(f"--gpus {value}: GPU ids are 0 or more, got {', '.join(map(str, negative))}; give a count "
+                        "(8) or ids (0,1,2)")
     if twice := sorted({i for i in ids if ids.count(i) > 1}):
         raise SpecError(f"--gpus {value}: GPU {', '.join(map(str, twice))} given more than once; each id once")
     return ids

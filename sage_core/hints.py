@@ -354,15 +354,19 @@ class TeacherHints(CachedHints):
         self._generate: GenerateFn | None = None
         self.file: Path | None = None
         self.variants: HintVariants = {}  # the file's hints by problem_sha (prepare picks the training problems')
-        if teacher.endswith((".jsonl", ".json", ".parquet")):
-            self.file = Path(teacher)
-            if not self.file.exists():
-                raise MissingDataFile(f"teacher hints file not found: {teacher}")
-            self.variants = read_hint_variants(self.file)
+        if is_hints_file(teacher):
+            self.file = Path(teacher).expanduser()
+            if not self.file.is_file():
+                raise MissingDataFile(f"teacher hints file not found: {self.file}"
+                                      + (" (a folder)" if self.file.is_dir() else ""))
+            try:
+                self.variants = read_hint_variants(self.file)
+            except DataError as e:
+                raise DataError(f"teacher hints file {e}") from None
             self.hints = pick_hints(self.variants)[0]
         elif teacher.startswith(("http://", "https://")):
             self._generate = _openai_generate(teacher, model)
-        else:
+        else:  # checked now, loaded when the first hint is asked for (never before the policy)
             self._generate = _local_model_generate(teacher)
 
     def prepare(self, rows, ctx):
@@ -440,6 +444,10 @@ def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHE
             if resp.status_code == 429 or resp.status_code >= 500:
                 last = f"HTTP {resp.status_code}"
                 continue
+            if resp.status_code == 404 and "model" not in resp.text.lower():  # no such path, not no such model
+                raise TeacherError(f"teacher endpoint {url} refused the request: HTTP 404: {resp.text[:300]} (no "
+                                   "chat completions at that URL: the teacher URL is the OpenAI-compatible base URL, "
+                                   f"which ends in /v1, e.g. http://host:8000/v1; got {base_url})")
             if resp.status_code >= 400:
                 raise TeacherError(f"teacher endpoint {url} refused the request: HTTP {resp.status_code}: "
                                    f"{resp.text[:300]} (model {model or 'default'!r}; set teacher_model to the "
@@ -461,17 +469,55 @@ def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHE
 
 
 def _local_model_generate(path: str) -> GenerateFn:
+    """Hints from a local (or Hugging Face) model: the path is checked at once (check_teacher_model), the model is
+    loaded on the first call, so a run builds its hint source before its policy and loads the teacher after it."""
     from .evaluate import generate_hf, render_prompt
-    from .models import load_policy
+    from .models import ModelNotFound, load_policy
 
-    model, tok = load_policy(path)
+    name = check_teacher_model(path)
+    loaded: list = []
 
     def generate(prompts, max_new_tokens, temperature):
+        if not loaded:
+            try:
+                loaded.extend(load_policy(name))
+            except ModelNotFound as e:
+                raise type(e)(f"teacher: {e}") from e
+        model, tok = loaded
         texts = [render_prompt(tok, {"prompt": p}) for p in prompts]
         return [c[0] for c in generate_hf(model, tok, texts, k=1, temperature=temperature, top_p=1.0,
                                           max_new_tokens=max_new_tokens)]
 
     return generate
+
+
+HINTS_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def is_hints_file(teacher: str) -> bool:
+    """A teacher given as a hints file (.jsonl, .json or .parquet, in any case) rather than a model or a URL."""
+    return not teacher.startswith(("http://", "https://")) and Path(teacher).suffix.lower() in HINTS_FILE_SUFFIXES
+
+
+def check_teacher_model(path: str) -> str:
+    """The teacher model's name to load ('~' expanded), after the cheap checks (no loading): a local path exists, a
+    .gguf is a file, a folder holds a config.json or a LoRA adapter. Raises ModelNotFound naming the teacher."""
+    from .models import ModelNotFound, _looks_local
+
+    if path in ("tiny", "smollm2") or not _looks_local(path) and not path.lower().endswith(".gguf"):
+        return path  # a built-in name, or a Hugging Face id: known only once loaded
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelNotFound(f"teacher {path}: not found: {p.resolve()} does not exist (a teacher is a hints file "
+                            f"({', '.join(HINTS_FILE_SUFFIXES)}), an OpenAI-compatible URL http[s]://host/v1, or a "
+                            "model: a local folder, a .gguf file or a Hugging Face id)")
+    if p.suffix.lower() == ".gguf":
+        if not p.is_file():
+            raise ModelNotFound(f"teacher {path}: {p.resolve()} is not a .gguf file")
+    elif not p.is_dir() or not ((p / "config.json").is_file() or (p / "adapter_config.json").is_file()):
+        raise ModelNotFound(f"teacher {path}: {p.resolve()} is not a model (a folder with a config.json, or a .gguf "
+                            f"file) nor a hints file ({', '.join(HINTS_FILE_SUFFIXES)})")
+    return str(p)
 
 
 # ----------------------------------------------------------------------------------------------- files
@@ -546,16 +592,18 @@ def pick_hints(variants: HintVariants, shas: dict[str, str] | None = None,
     return hints, stale
 
 
-def write_hints(path: Path, hints: Sequence[tuple[str, int, str]], shas: dict[str, str] | None = None) -> None:
+def write_hints(path: Path, hints: Sequence[tuple[str, int, str] | tuple[str, int, str, str | None]],
+                shas: dict[str, str] | None = None) -> None:
     """Write a hints file; `shas` (prompt id -> problem_sha) adds to each row the hash of the problem it was
-    written for."""
+    written for. A row given as (prompt id, level, hint, problem_sha) carries its own problem_sha (None: none)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w") as f:
-        for pid, level, text in hints:
+        for pid, level, text, *own in hints:
             rec = {"prompt_id": pid, "level": level, "hint": text}
-            if shas and pid in shas:
-                rec["problem_sha"] = shas[pid]
+            sha = own[0] if own else (shas or {}).get(pid)
+            if sha is not None:
+                rec["problem_sha"] = sha
             f.write(json.dumps(rec) + "\n")
     tmp.replace(path)
 

@@ -250,17 +250,19 @@ def build_trl_grpo_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
 
 
 def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
-    from .hints import make_hint_source
+    from .hints import OnlineHints, make_hint_source
     from .reward import boxed_reward
     from .schedulers import make_scheduler
     from .trainer import SageGRPOTrainer
 
+    # before the policy loads, so a bad teacher (no such file or model) fails at once; a method that uses no hints
+    # builds none (an OnlineHints never asked), whatever hint_source and teacher say
+    hint_source = make_hint_source(spec.hint_source, output_dir, spec.teacher, spec.teacher_model,
+                                   spec.hint_max_tokens) if spec.uses_hints else OnlineHints()
     args, dataset, model, tokenizer = _trainer_inputs(spec, output_dir)
     scheduler = make_scheduler(spec.method, light_min=spec.light_min, light_max=spec.light_max,
                                max_rounds=spec.max_rounds, weighting=spec.weighting,
                                num_generations=spec.num_generations)
-    hint_source = make_hint_source(spec.hint_source, output_dir, spec.teacher, spec.teacher_model,
-                                   spec.hint_max_tokens)
     callbacks = [*callbacks, SaveSteps(), *([RolloutBudget(spec.rollout_budget)] if spec.rollout_budget else [])]
     return SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
                            processing_class=tokenizer, callbacks=list(callbacks), scheduler=scheduler,

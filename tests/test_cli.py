@@ -539,3 +539,44 @@ def test_eval_tiny_for_real(capsys, tmp_path, tiny_model_dir):
     assert row["benchmark"] == "syn" and row["k"] == 2 and row["n_prompts"] == 3
     assert 0.0 <= row["avg_at_k"] <= row["pass_at_k"] <= 1.0
     assert "avg_at_k" in stdout
+
+
+def test_a_bad_teacher_exits_2_naming_it_before_the_policy_loads(capsys, tmp_path, monkeypatch):
+    """The hint source is built before the policy: a teacher model path that is not there, or a hints file that is
+    not there, exits 2 with one line naming the teacher, and nothing is loaded; a method that uses no hints builds
+    no hint source (GRPO with hint_source=teacher and no teacher was a ValueError traceback, and with a teacher model
+    it loaded that model for nothing)."""
+    from sage_core import train
+    from sage_core.data import DataError, synthetic_rows
+    from sage_core.hints import write_reference_hints
+
+    def policy(spec, output_dir):
+        raise DataError("the policy loads now")
+
+    monkeypatch.setattr(train, "_trainer_inputs", policy)
+    base = ["train", "--set", "num_prompts=8", "--set", "prompts_per_step=4", "--set", "max_steps=1"]
+    for teacher, needle in (("/nonexistent/teacher", "sage train: teacher /nonexistent/teacher: not found: "),
+                            (str(tmp_path / "gone.jsonl"), "sage train: teacher hints file not found: ")):
+        rc, _, err = run_cli(capsys, *base, "--set", "hint_source=teacher", "--set", f"teacher={teacher}",
+                             "--output-dir", str(tmp_path / "run"))
+        assert rc == 2 and err.startswith(needle) and err.count("\n") == 1, err
+    upper = tmp_path / "hints.JSONL"  # a hints file in upper case is read as one, not taken for a model
+    write_reference_hints(synthetic_rows(8, seed=0), upper)
+    rc, _, err = run_cli(capsys, *base, "--set", "hint_source=teacher", "--set", f"teacher={upper}",
+                         "--output-dir", str(tmp_path / "run2"))
+    assert rc == 2 and err == "sage train: the policy loads now\n"
+    for teacher in ([], ["--set", "teacher=/nonexistent/teacher"]):
+        rc, _, err = run_cli(capsys, *base, "--set", "method=grpo", "--set", "hint_source=teacher", *teacher,
+                             "--output-dir", str(tmp_path / f"grpo{len(teacher)}"))
+        assert rc == 2 and err == "sage train: the policy loads now\n"
+
+
+@pytest.mark.parametrize("gpus,needle", [("-1", "--gpus -1: GPU ids are 0 or more, got -1"),
+                                         ("0,-2", "--gpus 0,-2: GPU ids are 0 or more, got -2"),
+                                         (" ", "--gpus '': blank; give a count (8) or ids (0,1,2)"),
+                                         (",", "--gpus ',': blank")])
+def test_launch_refuses_negative_and_blank_gpus(capsys, tmp_path, monkeypatch, gpus, needle):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    rc, out, err = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", f"--gpus={gpus}", "--dry-run",
+                           "--output-dir", str(tmp_path))
+    assert rc == 2 and err.startswith(f"sage launch: {needle}") and "CUDA_VISIBLE_DEVICES" not in out

@@ -6,7 +6,7 @@ import pytest
 
 from sage_core.data import DataError
 from sage_core.hints import (FixedHints, HintContext, HintRequest, OnlineHints, TeacherError, TeacherHints, leaks,
-                             problem_sha, read_hints, request_prompt, sample_hints, write_hints)
+                             problem_sha, read_hint_variants, read_hints, request_prompt, sample_hints, write_hints)
 from sage_core.prompts import hint_request, hinted_problem
 
 
@@ -516,9 +516,12 @@ def test_sage_hints_resumes_only_the_hints_written_for_the_same_problems(monkeyp
     shown = capsys.readouterr().out
     assert "resuming: 1 hints already in" in shown and "; 2 others there were not written for this spec's" in shown
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {(r["prompt_id"], r["hint"], r["problem_sha"]) for r in rows} == {
+    assert {(r["prompt_id"], r["hint"], r.get("problem_sha")) for r in rows} == {
         ("syn-0-0", "hard hint .", shas["syn-0-0"]), ("syn-0-1", "Work from left to right .", shas["syn-0-1"]),
-        ("syn-0-2", "Work from left to right .", shas["syn-0-2"])}
+        ("syn-0-2", "Work from left to right .", shas["syn-0-2"]),
+        # the hints asked again for are not dropped: kept beside the new ones, for the problems they were written for
+        ("syn-0-1", "easy hint .", problem_sha(easy[1]["problem"])), ("syn-0-2", "old hint .", None)}
+    assert read_hint_variants(out)[("syn-0-1", 1)][shas["syn-0-1"]] == "Work from left to right ."
 
 
 def test_sage_hints_with_failed_hints_exits_1_keeping_the_partial_file_and_the_old_one(monkeypatch, tmp_path,
@@ -553,3 +556,103 @@ def test_sage_hints_with_failed_hints_exits_1_keeping_the_partial_file_and_the_o
         assert cli.main([*args, "--teacher", teacher.url]) == 0
         assert len(teacher.bodies) - asked == 2  # only the failed ones
     assert len(read_hints(out)) == 6 and not partial.exists()
+
+
+def test_sage_hints_never_drops_the_hints_of_another_spec_in_the_partial_file(monkeypatch, tmp_path, capsys):
+    """FILE.partial.jsonl left by `sage hints` for another spec (other prompt ids, another problem under one id):
+    its hints stay in the file through every rewrite and go on into --out, and the messages count them truly; also
+    where nothing is left to ask (the file was renamed as it was, and the count left the other spec's hints out)."""
+    from sage_core import cli
+    from sage_core.data import synthetic_rows
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    mine, theirs = synthetic_rows(2, seed=0), synthetic_rows(3, seed=1)
+    hard = synthetic_rows(2, seed=0, difficulty="hard")  # the same prompt ids as `mine`, other problems
+    out, partial = tmp_path / "teacher.jsonl", tmp_path / "teacher.partial.jsonl"
+    other = [(r["prompt_id"], lv, f"their hint {r['prompt_id']} {lv} .", problem_sha(r["problem"]))
+             for r in theirs for lv in (1, 2, 3)]
+    other.append((hard[1]["prompt_id"], 1, "a hard problem's hint .", problem_sha(hard[1]["problem"])))
+    write_hints(partial, [(mine[0]["prompt_id"], 1, "my hint .", problem_sha(mine[0]["problem"])), *other])
+
+    def rows_of(path):
+        return {(r["prompt_id"], r["level"], r["hint"], r.get("problem_sha"))
+                for r in map(json.loads, path.read_text().splitlines())}
+
+    args = ["hints", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--levels", "1", "--out", str(out),
+            "--chunk", "1"]
+    with _ChatEndpoint(lambda body: (200, "Work from left to right .")) as teacher:
+        assert cli.main([*args, "--teacher", teacher.url]) == 0
+    assert len(teacher.bodies) == 1  # only mine[1] at level 1
+    shown = capsys.readouterr().out
+    assert "resuming: 1 hints already in" in shown and "; 9 hints for prompt ids not in this spec: kept" in shown
+    assert "; 1 others there were not written for this spec's problems" in shown  # the hard problem's: kept too
+    assert f"wrote 2 hints for 2 prompts to {out}, with the 10 hints for other problems" in shown
+    assert "(12 in all)" in shown
+    assert set(other) <= rows_of(out) and len(rows_of(out)) == 12
+    assert (mine[1]["prompt_id"], 1, "Work from left to right .", problem_sha(mine[1]["problem"])) in rows_of(out)
+    # nothing left to ask: the file goes to --out whole, and the message counts what it holds
+    out2 = tmp_path / "again.jsonl"
+    out.rename(tmp_path / "again.partial.jsonl")
+    args[args.index(str(out))] = str(out2)
+    assert cli.main([*args, "--teacher", "http://127.0.0.1:9/v1"]) == 0  # nobody is asked
+    shown = capsys.readouterr().out
+    assert "wrote 2 hints for 2 prompts" in shown and "(12 in all)" in shown and len(rows_of(out2)) == 12
+    # training on the other spec's prompts finds its hints there
+    src = TeacherHints(str(out2))
+    src.prepare(theirs, HintContext(generate=ScriptedModel([])))
+    assert src.hints[(theirs[2]["prompt_id"], 3)] == f"their hint {theirs[2]['prompt_id']} 3 ."
+
+
+def test_teacher_paths_expand_home_and_take_hints_files_in_any_case(monkeypatch, tmp_path):
+    """A teacher hints file named .JSONL is read as one (it was taken for a model: 'has no config.json'), and
+    `~/h.jsonl` is found as data and model paths are."""
+    from sage_core.data import synthetic_rows
+
+    rows = synthetic_rows(2, seed=0)
+    upper = tmp_path / "hints.JSONL"
+    write_hints(upper, [(r["prompt_id"], 1, "Work from left to right .") for r in rows])
+    assert len(TeacherHints(str(upper)).hints) == 2
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_hints(tmp_path / "h.jsonl", [(rows[0]["prompt_id"], 2, "Add first .")])
+    assert TeacherHints("~/h.jsonl").hints == {(rows[0]["prompt_id"], 2): "Add first ."}
+    with pytest.raises(DataError, match=r"teacher hints file not found: .*/nope\.jsonl"):
+        TeacherHints("~/nope.jsonl")
+
+
+def test_a_model_teacher_is_checked_at_once_and_loaded_only_when_asked(monkeypatch, tmp_path):
+    """A teacher model path that is not there (or no model) fails at once naming the teacher, without loading
+    anything; a good one is loaded on the first hint asked for, not when the source is built (before the policy)."""
+    from sage_core import models
+    from sage_core.models import ModelNotFound
+
+    loads = []
+    monkeypatch.setattr(models, "load_policy", lambda name, *a, **k: loads.append(name) or 1 / 0)
+    with pytest.raises(ModelNotFound, match=r"^teacher /nonexistent/teacher: not found"):
+        TeacherHints("/nonexistent/teacher")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelNotFound, match=r"^teacher .*empty: .* is not a model"):
+        TeacherHints(str(empty))
+    folder = tmp_path / "teacher"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    src = TeacherHints("~/teacher")
+    assert loads == []
+    with pytest.raises(ZeroDivisionError):
+        src.get([req()], HintContext(generate=ScriptedModel([])))
+    assert loads == [str(folder)]
+
+
+def test_an_endpoint_url_without_v1_says_so_on_a_404(monkeypatch):
+    """A 404 that is not about the model (the URL lacks /v1) advises the base URL, not teacher_model; a 404 about the
+    model still advises teacher_model."""
+    _fast_retries(monkeypatch)
+    with _ChatEndpoint(lambda body: (200, "Add first .")) as teacher, pytest.raises(
+            TeacherError, match=r"HTTP 404: .*ends in /v1") as e:
+        TeacherHints(teacher.url.removesuffix("/v1"), model="served").get([req()], HintContext(
+            generate=ScriptedModel([])))
+    assert "teacher_model" not in str(e.value)
+    with _ChatEndpoint(lambda body: (404, "The model `x` does not exist.")) as teacher, pytest.raises(
+            TeacherError, match=r"HTTP 404: .*does not exist.*set teacher_model"):
+        TeacherHints(teacher.url, model="x").get([req()], HintContext(generate=ScriptedModel([])))
