@@ -23,7 +23,7 @@ from pydantic import Field
 from flows.common import resolve_benchmarks, run_eval, slug
 from flows.params import PresetName, resolve_spec
 from sage_core import tracking
-from sage_core.spec import recorded_fields
+from sage_core.spec import recorded_fields, recorded_spec
 
 
 def resolve_model(model: str) -> tuple[str, str | None]:
@@ -44,17 +44,29 @@ def resolve_model(model: str) -> tuple[str, str | None]:
     return str(ckpt), run_id
 
 
-def base_model(model: str, ref: str, source_run: str | None) -> str:
-    """The model a checkpoint was trained from, which decides the prompts' format (the tiny model is trained
-    without a system turn, real ones with the paper's system prompt): a run's `sage.model` param, the `spec.json`
-    that `sage train` writes beside `final/` and `checkpoint-N/`, else `model` itself."""
+def provenance(model: str, ref: str, source_run: str | None) -> dict[str, str]:
+    """What made the model evaluated: `model` (the base model it was trained from, which decides the prompts'
+    format: the tiny model is trained without a system turn, real ones with the paper's system prompt), `method`
+    and `hint_source` (the eval run's tags: the dashboard labels the run by them), from its MLflow run
+    (runs:/<id>) or the `spec.json` that `sage train` writes beside `final/` and `checkpoint-N/`; a model no run
+    here trained (or whose spec.json is unreadable) is itself, method `base`, no hint source."""
     if source_run is not None:
-        return tracking.client().get_run(source_run).data.params.get("sage.model") or model
+        run = tracking.client().get_run(source_run)
+        return {"model": run.data.params.get("sage.model") or model,
+                "method": run.data.tags.get("sage.method") or "base",
+                "hint_source": run.data.tags.get("sage.hint_source") or "none"}
     folder = Path(ref).expanduser()
     for run in (folder, folder.parent):
-        if folder.is_dir() and (run / "spec.json").is_file():  # unreadable: not a run's spec, the model as given
-            return (recorded_fields(run) or {}).get("model") or model
-    return model
+        if folder.is_dir() and (run / "spec.json").is_file():
+            fields, spec = recorded_fields(run) or {}, recorded_spec(run)
+            return {"model": fields.get("model") or model, "method": fields.get("method") or "base",
+                    "hint_source": spec.hint_source if spec is not None and spec.uses_hints else "none"}
+    return {"model": model, "method": "base", "hint_source": "none"}
+
+
+def base_model(model: str, ref: str, source_run: str | None) -> str:
+    """The model a checkpoint was trained from (see provenance)."""
+    return provenance(model, ref, source_run)["model"]
 
 
 @flow(name="sage-eval", flow_run_name="eval-{model}")
@@ -84,8 +96,9 @@ def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, pre
     overrides = {"eval_k": k, "eval_temperature": temperature, "eval_top_p": top_p,
                  "max_completion_length": max_new_tokens, "use_vllm": use_vllm}
     spec = resolve_spec(preset, {"model": model}, overrides)
+    made = provenance(model, ref, source_run)
     # rows formatted as in training: a checkpoint of the tiny model gets no system turn
-    benches = resolve_benchmarks(spec.model_copy(update={"model": base_model(model, ref, source_run)}), benchmarks)
+    benches = resolve_benchmarks(spec.model_copy(update={"model": made["model"]}), benchmarks)
     logger.info("sage-eval %s on %s (k=%d, T=%.2f, top_p=%.2f)", model, sorted(benches), spec.eval_k,
                 spec.eval_temperature, spec.eval_top_p)
     rows = run_eval(ref, benches, spec, label=slug(Path(model).name or model), cache=False)
@@ -95,7 +108,8 @@ def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, pre
         tracking.log_eval(df, when, run_id)
     else:
         with tracking.start_run(spec, "eval", experiment, run_name=f"eval-{Path(model).name or model}",
-                                tags={"sage.eval_of": source_run}) as run:
+                                tags={"sage.eval_of": source_run, "sage.method": made["method"],
+                                      "sage.hint_source": made["hint_source"]}) as run:
             run_id = run.info.run_id
             tracking.log_eval(df, when, run_id)
     logger.info("eval logged to MLflow run %s", tracking.run_url(run_id))

@@ -109,18 +109,25 @@ def with_seed(base: RunSpec, seed: int) -> RunSpec:
 
 
 def teacher_hints_file(base: RunSpec, experiment: str) -> Path:
-    """Reference-solution hints for the training rows (sage_core.hints.write_reference_hints), written once."""
+    """Reference-solution hints for the training rows (sage_core.hints.write_reference_hints), written once. Raises
+    ValueError, before any variant trains, for data without reference solutions: there are no hints to write (as
+    variant_specs does for a teacher variant without a teacher)."""
     from sage_core.data import build_dataset
     from sage_core.hints import write_reference_hints
 
+    rows = build_dataset(base)
+    rows = rows.to_list() if hasattr(rows, "to_list") else list(rows)
+    if rows and not any(str(r.get("solution") or "").strip() for r in rows):
+        raise ValueError(f"variant 'sage-teacher': the data {base.data} has no reference solutions (no `solution` "
+                         "column, or every row's is blank), so there are no reference hints to act as a teacher; "
+                         "give `teacher` (a hints file, a model path or an endpoint URL), or leave sage-teacher out "
+                         "of `methods`")
     data_spec = {k: v for k, v in base.model_dump().items()
                  if k in ("data", "data_split", "num_prompts", "difficulty", "seed", "model")}
     h = hashlib.sha256(repr(sorted(data_spec.items())).encode()).hexdigest()[:12]
     path = runs_root() / slug(experiment) / f"teacher-hints-{h}.jsonl"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        rows = build_dataset(base)
-        rows = rows.to_list() if hasattr(rows, "to_list") else list(rows)
         tmp = path.with_suffix(".tmp")
         write_reference_hints(rows, tmp)
         tmp.replace(path)

@@ -63,9 +63,10 @@ def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict
     if not force:
         done = tracking.find_finished_run(key, experiment, kind="train", parent_run_id=parent_run_id)
         if done is not None:
-            logger.info("%s: spec %s already finished in MLflow run %s; skipping (force=true trains again)",
-                        label, key, done.info.run_id)
+            logger.info("%s: spec %s already finished in MLflow run %s; skipping its training (force=true trains "
+                        "again)", label, key, done.info.run_id)
             _link(done.info.run_id, done.info.experiment_id, "training")
+            _complete_evals(spec, done.info.run_id, label, benchmarks, evaluate_before, evaluate_after)
             return {**row_from_run(done.info.run_id), "skipped": True}
     out = folder_for(experiment, label, spec, force)
     if not force and out != run_dir(experiment, label, spec):
@@ -100,6 +101,29 @@ def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict
     row["skipped"] = False
     _report(row, label)
     return row
+
+
+def _complete_evals(spec: RunSpec, run_id: str, label: str, benchmarks: dict[str, str] | None,
+                    evaluate_before: bool, evaluate_after: bool) -> None:
+    """The evaluations this call asks for that a finished run lacks (one trained by `sage train --mlflow`, or by
+    a flow run with evaluate_after=false), run now and logged into it: 'before' on the spec's model, 'after' on
+    the checkpoint the run uploaded."""
+    previous = tracking.load_eval(run_id)
+    wanted = [when for when, on in (("before", evaluate_before), ("after", evaluate_after))
+              if on and (previous is None or not (previous["when"] == when).any())]
+    if not wanted:
+        return
+    from flows.eval_flow import resolve_model
+
+    get_run_logger().info("%s: MLflow run %s has no %s evaluation: evaluating now", label, run_id,
+                          " or ".join(wanted))
+    benches = resolve_benchmarks(spec, benchmarks)
+    for when in wanted:
+        if when == "before":
+            rows = run_eval(spec.model, benches, spec, label=f"{label}-before", cache=True, gguf_file=spec.gguf_file)
+        else:
+            rows = run_eval(resolve_model(f"runs:/{run_id}")[0], benches, spec, label=f"{label}-after", cache=False)
+        tracking.log_eval(pd.DataFrame(rows), when, run_id)
 
 
 def _report(row: dict[str, Any], label: str) -> None:

@@ -215,6 +215,27 @@ def test_benchmark_rows_take_the_trained_models_format(tmp_path, monkeypatch):
     assert base_model(f"runs:/{run.info.run_id}", "/downloads/checkpoint", run.info.run_id) == "tiny"
 
 
+def test_an_eval_run_is_tagged_with_the_method_that_trained_its_model(tmp_path, monkeypatch):
+    """sage-eval's run carries the method and hint source of the model it evaluated (its MLflow run's, or the
+    spec.json beside a checkpoint folder), not its preset's; a model no run trained is `base`."""
+    from flows.eval_flow import provenance
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    light = params.resolve_spec("tiny-cpu", {"method": "sage-light", "hint_source": "fixed"})
+    with tracking.start_run(light, "train", "t-prov") as run:
+        pass
+    rid = run.info.run_id
+    assert provenance(f"runs:/{rid}", "/downloads/checkpoint", rid) == {
+        "model": "tiny", "method": "sage-light", "hint_source": "fixed"}
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "spec.json").write_text(light.model_copy(update={"method": "grpo"}).model_dump_json())
+    assert provenance(str(out / "final"), str(out / "final"), None) == {
+        "model": "tiny", "method": "grpo", "hint_source": "none"}  # GRPO writes no hints, whatever the field says
+    assert provenance("org/real", "org/real", None) == {"model": "org/real", "method": "base", "hint_source": "none"}
+
+
 def test_runs_model_is_downloaded_again_when_a_resumed_run_uploads_a_newer_checkpoint(tmp_path, monkeypatch):
     """`runs:/<id>` caches its download per `sage.checkpoint_step`: a resumed run keeps its id and uploads the model
     of a later step, which is what is evaluated then (not the cached earlier one); untagged, the cache is kept."""
@@ -366,6 +387,15 @@ def test_crashed_training_resumes_same_run(prefect_harness, store, monkeypatch):
     run = tracking.client().get_run(row["run_id"])
     assert run.data.tags["sage.resumed"] == "1" and _metric_steps(row["run_id"], "reward")[-1] == 2
 
+    # 3) the finished spec asked again with its evaluation on: not trained again, but evaluated (it was skipped
+    # with no evaluation at all), on the checkpoint the run uploaded
+    assert tracking.load_eval(row["run_id"]) is None
+    again = sage_train(**{**kw, "evaluate_after": True})
+    assert again["skipped"] and again["run_id"] == row["run_id"] and _metric_steps(row["run_id"], "reward") == [1, 2]
+    ev = tracking.load_eval(row["run_id"])
+    assert list(ev["when"]) == ["after"] and again["avg_at_k_after"] == pytest.approx(ev["avg_at_k"].iloc[0])
+    assert len(tracking.find_runs("t-crash", kind="train")) == 1
+
 
 def test_hint_study_children_table_and_rerun(prefect_harness, store):
     """Two variants over two seeds: each variant trains once per seed on that seed's prompts (the teacher's hints
@@ -511,3 +541,26 @@ def test_variant_specs_match_the_rollout_budget():
     assert {s.rollout_budget for s in v.values()} == {budget}
     assert all(s.max_steps >= 3 for s in v.values())
     assert all(s.rollout_budget is None for s in variant_specs(base, ["grpo", "ada-seq"]).values())
+
+
+def test_the_default_teacher_variant_on_data_without_solutions_fails_early_saying_why(tmp_path, monkeypatch):
+    """sage-teacher without a `teacher` takes reference-solution hints: on data without a `solution` column they
+    were all blank, read back as missing, and the variant failed after loading its model with 'its hints cover none
+    of the training prompts'. Now the study stops before training (as for a teacher variant without a teacher),
+    naming the cause, and writes no hints file; data with solutions still gets its file."""
+    import warnings
+
+    from flows.study_flow import teacher_hints_file
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    nosol = tmp_path / "nosol.jsonl"
+    nosol.write_text("".join(f'{{"question": "What is {i} + 1 ?", "answer": "{i + 1}"}}\n' for i in range(8)))
+    base = RunSpec(data=str(nosol), num_prompts=8, prompts_per_step=4, max_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the loader's own warning about rows without a solution
+        with pytest.raises(ValueError, match=r"variant 'sage-teacher': the data .*nosol\.jsonl has no reference "
+                                             r"solutions \(no `solution` column.*give `teacher`"):
+            teacher_hints_file(base, "nosol-study")
+    assert not list((tmp_path / "home").rglob("teacher-hints-*"))
+    path = teacher_hints_file(RunSpec(num_prompts=8, prompts_per_step=4, max_steps=1), "syn-study")
+    assert path.is_file() and len(path.read_text().splitlines()) == 8 * 3
