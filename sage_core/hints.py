@@ -12,6 +12,7 @@ Every hint passes the leak guard: a hint that contains the gold answer is reject
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -201,6 +202,19 @@ def _mentions(text: str, answer: str) -> bool:
     return re.search(pattern, text) is not None
 
 
+def _quantities(hint: str) -> str:
+    """The hint as the numeric leak check reads it: LaTeX digit grouping written plainly (10{,}000, 10,\\!000 and
+    10\\,000 are 10,000), and the numbers that name no quantity left out: exponents and subscripts (x^2, 3^{4},
+    a_1) and step numbers (Step 2)."""
+    h = re.sub(r"\{,\}", ",", hint)
+    h = re.sub(r"(?<=\d),?\\[,!;:]\s*(?=\d{3}(?!\d))", ",", h)
+    h = re.sub(r"[\^_]\s*(?:\{[^{}]*\}|-?\d+(?:\.\d+)?)", "p", h)  # a letter: x^2-4 stays a subtraction
+    return re.sub(r"\b([Ss]teps?)\s+\d+\b", r"\1", h)
+
+
+_CHOICE = re.compile(r"[A-E]")  # a multiple-choice answer
+
+
 def leaks(hint: str, answer: str) -> bool:
     """True when the hint reveals the final answer: it contains a \\boxed{} answer, or the gold answer itself. A
     numeric answer is matched by value in any form a number is written in (9 and 9.0; 0.5, 1/2 and \\frac{1}{2}; 1234
@@ -212,10 +226,14 @@ def leaks(hint: str, answer: str) -> bool:
     answer = str(answer)
     value = _answer_value(answer)
     if value is not None:
-        return value in _values(hint) or value in _word_values(hint)
+        return value in _values(_quantities(hint)) or value in _word_values(hint)
     ans = re.sub(r"\s", "", re.sub(_TEXT, r"\1", _clean(answer)))
     ans = re.sub(r"^\((\w)\)$", r"\1", ans)  # a choice: (C) is also written C
-    return bool(ans) and _mentions(re.sub(_TEXT, r"\1", _clean(hint)), ans)
+    text = re.sub(_TEXT, r"\1", _clean(hint))
+    if _CHOICE.fullmatch(ans):  # named as a choice: "(A)", "option A", "the answer is A"; not the article "A"
+        return re.search(rf"\(\s*{ans}\s*\)|(?i:option|choice|answer)(?:\s+(?i:is))?\s*:?\s*{ans}(?![A-Za-z0-9])",
+                         text) is not None
+    return bool(ans) and _mentions(text, ans)
 
 
 def clean_hint(text: str) -> str:
@@ -322,7 +340,9 @@ class FixedHints(CachedHints):
             p.unlink(missing_ok=True)
 
     def prepare(self, rows, ctx):
-        if self.hints:
+        # written once, by the initial policy: files there (even with no usable hint: every sample leaked) are its
+        # hints; a resumed run must not have its trained policy write them. Decided on every process together
+        if all(ctx.gather([bool(self.hints) or self.path.exists()])):
             return
         mine = [row for i, row in enumerate(rows) if i % ctx.world == ctx.rank]
         reqs = [HintRequest(r["prompt_id"], r["problem"], r.get("solution", ""), r["answer"], lvl)
@@ -476,6 +496,7 @@ def _local_model_generate(path: str) -> GenerateFn:
 
     name = check_teacher_model(path)
     loaded: list = []
+    calls = itertools.count()  # a sampling seed per call: a resample after a leak must not repeat the first
 
     def generate(prompts, max_new_tokens, temperature):
         if not loaded:
@@ -486,7 +507,7 @@ def _local_model_generate(path: str) -> GenerateFn:
         model, tok = loaded
         texts = [render_prompt(tok, {"prompt": p}) for p in prompts]
         return [c[0] for c in generate_hf(model, tok, texts, k=1, temperature=temperature, top_p=1.0,
-                                          max_new_tokens=max_new_tokens)]
+                                          max_new_tokens=max_new_tokens, seed=next(calls))]
 
     return generate
 

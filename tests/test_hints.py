@@ -88,6 +88,27 @@ def req(pid="p1", level=3, answer="9"):
     ("it is x^2 + 1 here", "x^2+1", True),
     ("head east ward", "east", True),
     ("the eastern side", "east", False),
+    # LaTeX digit grouping as MATH's solutions write it
+    ("So the answer is $10,\\!000$", "10000", True),
+    ("it is $10{,}000$", "10000", True),
+    ("it is $10\\,000$ in all", "10000", True),
+    ("$1{,}000{,}000$ ways", "1000000", True),
+    # numbers that name no quantity: exponents, subscripts, step numbers; a quantity beside them still counts
+    ("Factor x^2-4 first.", "2", False),
+    ("Use \\sin^2 x + \\cos^2 x = 1.", "2", False),
+    ("Compute $3^{4}$ mod 5.", "4", False),
+    ("a_1 is the first term", "1", False),
+    ("Step 1: add. Step 2: divide.", "2", False),
+    ("Factor x^2-4 first.", "-4", False),
+    ("x^2 = 4 here", "4", True),
+    ("2^{10} = 1024", "1024", True),
+    ("after step 3 the total is 2", "2", True),
+    # a choice letter is a leak only where it is named as a choice, not as the article "A"
+    ("A good first step is to factor.", "A", False),
+    ("A first step: factor.", "(A)", False),
+    ("The answer is (A).", "A", True),
+    ("so option B is right", "B", True),
+    ("so the answer is C", "\\text{(C)}", True),
 ])
 def test_leak_guard(hint, answer, leak):
     assert leaks(hint, answer) is leak
@@ -149,6 +170,19 @@ def test_fixed_hints_written_once_by_initial_policy_and_reused(tmp_path):
     assert again.hints == src.hints
     [res] = again.get([HintRequest("b", "q b", "s", "9", 2)], HintContext(generate=ScriptedModel([])))
     assert res.text == src.hints[("b", 2)]
+
+
+def test_fixed_hints_are_written_once_even_when_none_was_usable(tmp_path):
+    """The initial policy's hints are its hints even when every sample leaked (an empty file): a resumed run reads
+    them, its trained policy writes none."""
+    rows = [{"prompt_id": "a", "problem": "q a", "solution": "s", "answer": "9"}]
+    src = FixedHints(tmp_path / "fixed.jsonl")
+    src.prepare(rows, HintContext(generate=ScriptedModel(["= 9"] * 3), retries=0))
+    assert src.hints == {} and src.path.exists() and src.leaked == {("a", 1), ("a", 2), ("a", 3)}
+    trained = ScriptedModel(["a hint"] * 3)
+    again = FixedHints(tmp_path / "fixed.jsonl")
+    again.prepare(rows, HintContext(generate=trained, retries=0))
+    assert trained.calls == [] and again.hints == {} and again.leaked == src.leaked
 
 
 def test_fixed_hints_started_over_are_written_again(tmp_path):
@@ -338,6 +372,18 @@ def test_local_model_teacher_writes_greedy_guarded_cached_hints(tiny_model_dir):
     other = TeacherHints(str(tiny_model_dir), max_new_tokens=48)  # greedy: a second teacher writes the same hints
     again = other.get([q for q, _ in written], ctx)
     assert sum(a.text == r.text for a, (_, r) in zip(again, written, strict=True)) >= len(written) - 1
+
+
+def test_local_model_teacher_resamples_are_new_samples(tiny_model_dir):
+    """Each call of a local teacher samples with a seed of its own: the resamples after a leak (temperature 1) are
+    not the first sample again."""
+    from sage_core.data import synthetic_rows
+
+    teacher = TeacherHints(str(tiny_model_dir), max_new_tokens=48)
+    prompts = [request_prompt(HintRequest(r["prompt_id"], r["problem"], r["solution"], r["answer"], 3))
+               for r in synthetic_rows(8, seed=3, difficulty="hard")]
+    first, second = (teacher._generate(prompts, 48, 1.0) for _ in range(2))
+    assert first != second
 
 
 def test_hints_parquet_reads_back_and_a_corrupt_one_is_a_data_error(tmp_path):
