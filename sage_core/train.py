@@ -18,7 +18,7 @@ import pandas as pd
 from transformers import TrainerCallback, TrainerState
 
 from .lora import ADAPTER_DIR, merge_adapter, peft_config
-from .spec import RunSpec, check_run_folder, layout_error
+from .spec import RunSpec, check_run_folder, layout_error, spec_changes
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +317,9 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
 
     output_dir = Path(output_dir)
     check_run_folder(spec, output_dir)
+    # a folder where a run of another spec failed before its first step (check_run_folder lets it through): what
+    # that run left for its own start (fixed hints, written by its initial policy for its problems) is not read
+    earlier = spec_changes(spec, output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "spec.json").write_text(spec.model_dump_json(indent=2))
     set_seed(spec.seed)
@@ -331,9 +334,13 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
         log.warning("%s: %d tracker files of steps after %s were discarded (written after the last checkpoint, "
                     "or by an earlier run); those steps are trained again", output_dir, len(stale),
                     ckpt.name if ckpt is not None else "the start")
-    if not resume:  # starting over: nothing an earlier run left (fixed hints, checkpoints, model) is read
+    if not resume or (ckpt is None and earlier):
+        # starting over: nothing an earlier run left (fixed hints, checkpoints, model) is read
         trainer.hint_source.start_over(delete=trainer.accelerator.is_main_process)
-        if trainer.accelerator.is_main_process and (gone := remove_earlier_models(output_dir)):
+        if earlier and resume:
+            log.warning("%s: a run of another spec (%s) failed here before its first step: its hints are not "
+                        "used", output_dir, "; ".join(earlier))
+        if not resume and trainer.accelerator.is_main_process and (gone := remove_earlier_models(output_dir)):
             log.warning("%s: starting over, removed the earlier run's %s", output_dir, ", ".join(gone))
         trainer.accelerator.wait_for_everyone()
     if ckpt is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pandas as pd
 import pytest
 import torch
@@ -253,6 +255,25 @@ def test_a_run_started_over_writes_its_fixed_hints_again(tiny_model_dir, tmp_pat
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
     train(spec.model_copy(update={"max_steps": 2}), tmp_path)
     assert (tmp_path / "tracker" / "step_000002.parquet").exists()  # step 2 trained again, from the new step 1
+
+
+def test_fixed_hints_of_a_run_of_another_spec_that_failed_before_its_first_step_are_not_used(tiny_model_dir,
+                                                                                                 tmp_path):
+    """A run that wrote its fixed hints and failed before its first step leaves them with its spec.json; the folder
+    takes a corrected spec (sage_core.spec.check_run_folder), whose initial policy writes its own hints for its own
+    problems. The same spec run again reads them (they are its initial policy's)."""
+    old = small("sage-light", hint_source="fixed", max_steps=1, difficulty="easy")
+    path = tmp_path / "fixed_hints.jsonl"
+    ids = [r["prompt_id"] for r in build_dataset(old)]  # synthetic ids repeat across difficulties
+    for spec in (old, old.model_copy(update={"difficulty": "hard"})):
+        (tmp_path / "spec.json").write_text(old.model_dump_json())  # what the failed run left
+        write_hints(path, [(pid, lvl, "MARKER hint .") for pid in ids for lvl in (1, 2, 3)])
+        train(spec, tmp_path)
+        assert ("MARKER" in path.read_text()) is (spec == old)
+        for f in [*tmp_path.glob("checkpoint-*"), tmp_path / "final", tmp_path / "tracker"]:
+            shutil.rmtree(f)  # a folder with nothing trained again: the next spec is let in
+        for f in ("summary.json", "README.md"):
+            (tmp_path / f).unlink()
 
 
 def test_resume_discards_tracker_files_written_after_the_checkpoint(tiny_model_dir, tmp_path):
