@@ -126,7 +126,11 @@ class RolloutBudget(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.spent += (logs or {}).get("sage/rollouts", 0.0) or 0.0
-        if self.spent >= self.budget:
+        # a rollout batch is trained by updates_per_generation optimizer steps, and its rollouts are logged with
+        # the first: stop after its last, so the batch is trained whole and the checkpoint is where a resumed run
+        # generates its next batch (one saved mid-batch made the resumed run roll that batch's prompts again)
+        per_batch = max(1, args.steps_per_generation // args.gradient_accumulation_steps)
+        if self.spent >= self.budget and state.global_step % per_batch == 0:
             control.should_training_stop = True
             control.should_save = True
 
@@ -321,7 +325,11 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     # that run left for its own start (fixed hints, written by its initial policy for its problems) is not read
     earlier = spec_changes(spec, output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "spec.json").write_text(spec.model_dump_json(indent=2))
+    # every process writes the same spec, each through a file of its own renamed over it: a reader (another
+    # process's folder check) never sees a half-written one
+    tmp = output_dir / f".spec.json.{os.getpid()}"
+    tmp.write_text(spec.model_dump_json(indent=2))
+    tmp.replace(output_dir / "spec.json")
     set_seed(spec.seed)
     t0 = time.perf_counter()
     ckpt = last_checkpoint(output_dir) if resume else None
@@ -373,9 +381,10 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
             if trainer.accelerator.is_main_process:
                 merge_adapter(spec, output_dir / ADAPTER_DIR, final)
             trainer.accelerator.wait_for_everyone()
-        trainer.processing_class.save_pretrained(str(final))
         if trainer.accelerator.is_main_process:
+            trainer.processing_class.save_pretrained(str(final))
             (final / FINAL_STEP_FILE).write_text(json.dumps({"global_step": trainer.state.global_step}))
+    trainer.accelerator.wait_for_everyone()  # final/ whole before it is uploaded
     if trainer.accelerator.is_main_process:  # the model trained (final/), to each tracking callback's run
         for cb in callbacks:
             if hasattr(cb, "log_final_model"):
@@ -386,7 +395,8 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     # a resumed run: its earlier sessions' training time too (all of it, where this session trained nothing)
     summary["train_seconds"] = clock.before if done else summary["train_seconds"] + clock.before
     summary["wall_seconds"] = wall  # this session's, model loading included
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if trainer.accelerator.is_main_process:  # the main process's times (each process measures its own)
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     release_vllm(trainer)
     return TrainResult(output_dir, final, Path(trainer.args.tracker_dir), trainer.state.global_step, wall,
                        summary, history)

@@ -372,12 +372,23 @@ def test_rollout_budget_stops_training_when_spent():
 
     from sage_core.train import RolloutBudget
 
+    one = SimpleNamespace(steps_per_generation=4, gradient_accumulation_steps=4)  # one update per rollout batch
     cb, control = RolloutBudget(100), SimpleNamespace(should_training_stop=False)
-    cb.on_log(None, None, control, logs={"sage/rollouts": 64.0})
+    cb.on_log(one, SimpleNamespace(global_step=1), control, logs={"sage/rollouts": 64.0})
     assert not control.should_training_stop
-    cb.on_log(None, None, control, logs={"loss": 0.1})  # other log lines spend nothing
-    cb.on_log(None, None, control, logs={"sage/rollouts": 40.0})
+    cb.on_log(one, SimpleNamespace(global_step=1), control, logs={"loss": 0.1})  # other log lines spend nothing
+    cb.on_log(one, SimpleNamespace(global_step=2), control, logs={"sage/rollouts": 40.0})
     assert control.should_training_stop and cb.spent == 104
+    # two updates per rollout batch (updates_per_generation=2): the batch's rollouts are logged with its first
+    # update; training stops after its second, so the batch is trained whole and the checkpoint is between batches
+    two = SimpleNamespace(steps_per_generation=4, gradient_accumulation_steps=2)
+    cb, control = RolloutBudget(100), SimpleNamespace(should_training_stop=False)
+    cb.on_log(two, SimpleNamespace(global_step=1), control, logs={"sage/rollouts": 64.0})
+    cb.on_log(two, SimpleNamespace(global_step=2), control, logs={"loss": 0.1})
+    cb.on_log(two, SimpleNamespace(global_step=3), control, logs={"sage/rollouts": 40.0})
+    assert not control.should_training_stop
+    cb.on_log(two, SimpleNamespace(global_step=4), control, logs={"loss": 0.1})
+    assert control.should_training_stop and control.should_save
 
 
 def test_rollout_budget_counts_what_was_spent_before_a_resume(tiny_model_dir, tmp_path):
@@ -387,6 +398,16 @@ def test_rollout_budget_counts_what_was_spent_before_a_resume(tiny_model_dir, tm
     train(spec.model_copy(update={"max_steps": 1}), tmp_path)
     res = train(spec, tmp_path)
     assert res.global_step == 2 and res.summary["rollouts"] == 64
+
+
+def test_rollout_budget_with_two_updates_per_batch_stops_between_batches(tiny_model_dir, tmp_path):
+    """updates_per_generation=2: a budget spent by the second rollout batch stops after that batch's second update
+    (optimizer step 4, not 3), and the checkpoint is there."""
+    spec = small("grpo", num_prompts=4, max_steps=4, save_steps=100, rollout_budget=64, updates_per_generation=2,
+                 micro_batch_size=16)
+    res = train(spec, tmp_path)
+    assert res.global_step == 4 and res.summary["rollouts"] == 64
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
 
 
 WORDS = {1: "one", 2: "two", 3: "three"}
