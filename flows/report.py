@@ -2,7 +2,7 @@
 
     python -m flows.report [--experiment hint-study-tiny-cpu]
 
-Reads MLflow only (`study/comparison.parquet` of the newest study run in the experiment).
+Reads MLflow only (`study/comparison.parquet` of the study run last active in the experiment).
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ from sage_core import tracking
 
 
 def latest_study(experiment: str):
-    runs = tracking.find_runs(experiment, kind="study")
-    for run in runs:  # newest first; the first one with a comparison table
+    """The study run last active (ended, or started, latest: an earlier study run again reopens its own MLflow run,
+    which keeps its start time) that has a comparison table."""
+    runs = sorted(tracking.find_runs(experiment, kind="study"),
+                  key=lambda r: max(r.info.end_time or 0, r.info.start_time or 0), reverse=True)
+    for run in runs:
         if tracking.has_artifact(run.info.run_id, "study/comparison.parquet"):
             return run
     return None

@@ -137,9 +137,10 @@ def teacher_hints_file(base: RunSpec, experiment: str) -> Path:
 def variant_specs(base: RunSpec, methods: list[str], teacher: str | None = None,
                   match_budget: bool = False) -> dict[str, RunSpec]:
     """One RunSpec per variant. Only the teacher variant carries `teacher`, so the other variants' spec keys
-    do not depend on it. With `match_budget` every variant stops at GRPO's rollout count for the base spec
-    (max_steps x prompts_per_step x G) and may take up to max_rounds x more steps to spend it: methods that
-    re-roll or resample then train on fewer steps. Raises ValueError naming an unknown variant or a teacher
+    do not depend on it. With `match_budget` every variant stops at the first step boundary where it has rolled
+    out GRPO's rollout count for the base spec (max_steps x prompts_per_step x G) or more (a step's rollouts are
+    known only once it ran: it spends up to one step of its own more) and may take up to max_rounds x more steps
+    to spend it: methods that re-roll or resample then train on fewer steps. Raises ValueError naming an unknown variant or a teacher
     variant without a teacher."""
     unknown = [m for m in methods if m not in VARIANTS]
     if unknown:
@@ -268,13 +269,16 @@ def summary_card(summary: pd.DataFrame, title: str) -> str:
         "variant": summary["variant"], "seeds": summary["seeds"],
         "avg@k after": [_fmt_range(m, lo, hi, False) for m, lo, hi in
                         zip(summary["avg_at_k_after"], summary["avg_at_k_after_min"], summary["avg_at_k_after_max"])],
-        "vs GRPO": [_fmt_range(m, lo, hi, True) for m, lo, hi in
-                    zip(summary["vs_grpo"], summary["vs_grpo_min"], summary["vs_grpo_max"])],
+        "vs GRPO": [_fmt_range(m, lo, hi, True) + (f" {n:.0f} seed{'s' * (n != 1)}" if n == n and n else "")
+                    for m, lo, hi, n in zip(summary["vs_grpo"], summary["vs_grpo_min"], summary["vs_grpo_max"],
+                                            summary["vs_grpo_seeds"])],
         "pass@k after": summary["pass_at_k_after"], "never solved": summary["never_solved"],
         "collapsed": summary["frac_collapsed"], "train/GRPO": summary["train_vs_grpo"],
         "gen tok/GRPO": summary["gen_vs_grpo"], "open/GRPO": summary["open_vs_grpo"],
         "failed": summary["failed"]})
-    return f"## {title}\n\nmean over seeds (min..max); vs GRPO: paired by seed\n\n" + tracking.to_markdown(show)
+    return (f"## {title}\n\nmean over each variant's finished seeds (min..max); vs GRPO: the change against GRPO of "
+            "the same seed, over the seeds both finished (their count after it): where the seeds differ, compare "
+            "that column, not the means\n\n" + tracking.to_markdown(show))
 
 
 def _per_run_card(df: pd.DataFrame, title: str, per_seed: bool) -> str:
@@ -327,8 +331,9 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None
         seeds: run every variant once per seed (paired by seed; summary over seeds); default: the spec's seed.
         benchmarks: no-hint eval files {name: path}; default: the held-out set of the spec.
         force: re-train variants that already finished.
-        match_budget: every variant stops at GRPO's total rollout count (equal sampling cost) instead of
-            training the same number of steps.
+        match_budget: every variant stops once it has rolled out GRPO's total rollout count (about equal
+            sampling cost: at the end of the step that reaches it, so up to one step more) instead of training
+            the same number of steps; the card's `rollouts` column says what each spent.
         launcher: auto, local or accelerate (see sage-train).
     """
     logger = get_run_logger()

@@ -643,9 +643,13 @@ class SageGRPOTrainer(GRPOTrainer):
         m, n = self._metrics["train"], len(recs)
         states = [gate.group_state(r["slot_rewards"]) for r in recs]
         rescued = [s != "mixed" and not gate.collapsed(r["rewards"]) for s, r in zip(states, recs, strict=True)]
-        m["sage/frac_collapsed"].append(sum(s != "mixed" for s in states) / n)
-        m["sage/frac_all_zero"].append(states.count("all0") / n)
-        m["sage/frac_all_one"].append(states.count("all1") / n)
+        # the gate before hints: the slots whose first rollout had no hint (SAGE-LIGHT rolls a prompt at its tracked
+        # level from the start: its gate before hints is not seen; NaN when no slot was rolled without one)
+        bare = [s for s, r in zip(states, recs, strict=True) if r["slot_level"] == 0]
+        nan = float("nan")
+        m["sage/frac_collapsed"].append(sum(s != "mixed" for s in bare) / len(bare) if bare else nan)
+        m["sage/frac_all_zero"].append(bare.count("all0") / len(bare) if bare else nan)
+        m["sage/frac_all_one"].append(bare.count("all1") / len(bare) if bare else nan)
         m["sage/frac_rescued"].append(sum(rescued) / n)
         m["sage/rescued_groups"].append(float(sum(rescued)))
         # groups trained with an open gate (mixed rewards: a non-zero advantage), whatever the level

@@ -155,12 +155,34 @@ def test_multi_seed_table_pairs_by_seed():
     assert math.isnan(grpo["vs_grpo"]) and grpo["vs_grpo_seeds"] == 0
     assert math.isclose(light["train_vs_grpo"], 1.3)  # mean of 1.5 and 1.1
     card = report_card(df, "t")
-    assert "3 seeds" in card and "| sage-light | 2 | 0.305 (0.260..0.350) | +0.055 (+0.050..+0.060) |" in card
+    # the paired change says over how many seeds it is taken (GRPO's mean is over 3, SAGE-LIGHT's over 2)
+    assert "3 seeds" in card and "| sage-light | 2 | 0.305 (0.260..0.350) | +0.055 (+0.050..+0.060) 2 seeds |" in card
     assert "| sage-light | 1 | 0.200 | 0.260 |" in card  # the per-seed rows follow
     # one seed: the card is the per-variant table, without a seed column
     one = comparison_table(rows[:2])
     assert "seeds" not in report_card(one, "t") and "| sage-light | 0.200 | 0.350 |" in report_card(one, "t")
     assert seed_summary(one).set_index("variant").loc["sage-light", "vs_grpo"] == pytest.approx(0.05)
+
+
+def test_report_prints_the_study_run_last_active(tmp_path, monkeypatch):
+    """An earlier study run again reopens its MLflow run, which keeps its start time: the report card is the one
+    that ended last, not the one started last."""
+    from flows import report
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    c = tracking.client()
+    exp = c.create_experiment("studies")
+    ids = []
+    for name, start, end in (("first", 1_000, 9_000), ("second", 2_000, 3_000)):  # first: run again, ended last
+        rid = c.create_run(exp, start_time=start, tags={"sage.kind": "study"}, run_name=name).info.run_id
+        table = tmp_path / name / "comparison.parquet"
+        table.parent.mkdir()
+        pd.DataFrame({"variant": [name]}).to_parquet(table)
+        c.log_artifact(rid, str(table), "study")
+        c.set_terminated(rid, "FINISHED", end_time=end)
+        ids.append(rid)
+    assert report.latest_study("studies").info.run_id == ids[0]
 
 
 def test_study_seeds_and_key():

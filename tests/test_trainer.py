@@ -159,6 +159,14 @@ def test_sage_light_raises_levels_and_resumes(tiny_model_dir, tmp_path):
     # one rollout pass per step; online hints for the raised prompts are written in one pass before it (and
     # resampled in at most hint_retries more passes, only after a leak or an empty hint)
     assert [h["sage/rollout_passes"] for h in res.log_history if "sage/rollout_passes" in h] == [1, 1]
+    # "collapsed before hints" is the gate of the groups rolled without a hint: at step 2 a prompt rolled at its
+    # raised level from the start (base_state "na") is not counted; NaN when every prompt was
+    logged = [h["sage/frac_collapsed"] for h in res.log_history if "sage/frac_collapsed" in h]
+    for step, got in zip((1, 2), logged, strict=True):
+        bare = df[(df.step == step) & (df.base_state != "na")]
+        want = (bare.base_state != "mixed").mean() if len(bare) else float("nan")
+        assert (float("nan") if got is None else got) == pytest.approx(want, nan_ok=True)  # NaN is logged as None
+    assert (second.base_state == "na").any(), "no prompt was raised: this checks nothing"
     hint_passes = [h["sage/hint_passes"] for h in res.log_history if "sage/hint_passes" in h]
     asked = (second.level > 0).any() or second.hint_failed.any()
     assert hint_passes[0] == 0 and (1 <= hint_passes[1] <= 1 + spec.hint_retries) == asked
