@@ -237,7 +237,8 @@ def leaks(hint: str, answer: str) -> bool:
 
 
 def clean_hint(text: str) -> str:
-    """Strip whitespace and a trailing unfinished fragment; keep at most a few lines."""
+    """The hint as written, whitespace stripped: its first six non-empty lines, joined by spaces (a hint cut at
+    hint_max_tokens keeps its last, unfinished words)."""
     text = text.strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return " ".join(lines[:6])
