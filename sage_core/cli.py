@@ -484,11 +484,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from . import launch as L
 
     spec = build_spec(args.preset, args.spec, args.set)
-    out = Path(args.output_dir).resolve() if args.output_dir else default_output_dir(spec)
     kw = {"gpus": _parse_gpus(args.gpus), "config": args.config, "vllm_mode": args.vllm_mode,
           "server_gpus": args.server_gpus, "port": args.port, "server_gpu_mem": args.server_gpu_mem}
     try:
-        p = L.plan(spec, out, **kw)  # layout errors before any MLflow run is opened
+        out = Path(args.output_dir).resolve() if args.output_dir else None
+        p = L.plan(spec, out or Path.cwd(), **kw)  # layout errors before any MLflow run is opened
+        if out is None:  # the spec's own folder, named after the layout's vllm_mode (not the server's URL)
+            out = default_output_dir(spec.model_copy(update={"vllm_mode": p.spec.vllm_mode}))
+            p = L.plan(spec, out, **kw)
         # the folder against the spec the ranks train and record (the layout's vllm_mode, its server's URL): the
         # same launch run again resumes there
         check_run_dir(p.spec, out)
@@ -502,7 +505,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             from . import tracking
 
             _forget_run_id(p.spec, out)
-            run_id, _ = tracking.resume_or_create_run(spec, "train", out, experiment=args.experiment or
+            run_id, _ = tracking.resume_or_create_run(p.spec, "train", out, experiment=args.experiment or
                                                       tracking.DEFAULT_EXPERIMENT)
         try:
             res = L.launch(spec, out, check=False, mlflow_run_id=run_id, **kw)

@@ -439,6 +439,14 @@ def test_launch_run_again_resumes_in_its_folder(capsys, tmp_path, monkeypatch):
     assert rc == 0 and "vllm serve" in out, err
     rc, _, err = run_cli(capsys, *args[:5], "--output-dir", str(tmp_path), "--dry-run")  # colocate: another spec
     assert rc == 2 and "vllm_mode 'server' -> 'colocate'" in err
+    # without --output-dir each layout has a folder of its own: a server launch is not sent to the colocate run's
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    folders = []
+    for mode in ("colocate", "server"):
+        rc, out, err = run_cli(capsys, *args[:5], "--vllm-mode", mode, "--dry-run")
+        assert rc == 0, err
+        folders.append(re.search(r"--output-dir (\S+)", out).group(1))
+    assert folders[0] != folders[1] and all(f.startswith(str(tmp_path / "home" / "runs")) for f in folders)
 
 
 def test_launch_gpu_count_takes_the_gpus_the_scheduler_gave(capsys, tmp_path, monkeypatch):
