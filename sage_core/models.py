@@ -491,6 +491,15 @@ def check_local_model(folder: Path, gguf_file: str | None = None) -> None:
     if not any((folder / w).is_file() for w in WEIGHT_FILES) and not any(folder.glob("*.safetensors")):
         raise BadModelFile(f"model folder {folder.resolve()} has no weights ({' or '.join(WEIGHT_FILES[::2])}): "
                            "a model saved without them, or whose save did not finish")
+    if (bad := unreadable_safetensors(folder)) is not None:
+        weights, why = bad
+        raise BadModelFile(f"{weights.resolve()} cannot be read as safetensors ({why}): a truncated or damaged "
+                           "weights file")
+
+
+def unreadable_safetensors(folder: Path) -> tuple[Path, str] | None:
+    """The first `*.safetensors` file in `folder` whose header (which also fixes the file's size) does not read,
+    with why; None when every one reads."""
     from safetensors import SafetensorError, safe_open
 
     for weights in sorted(folder.glob("*.safetensors")):
@@ -498,8 +507,8 @@ def check_local_model(folder: Path, gguf_file: str | None = None) -> None:
             with safe_open(str(weights), framework="pt") as f:
                 f.keys()
         except (SafetensorError, OSError) as e:
-            raise BadModelFile(f"{weights.resolve()} cannot be read as safetensors ({e}): a truncated or damaged "
-                               "weights file") from None
+            return weights, str(e)
+    return None
 
 
 def _looks_local(name: str) -> bool:

@@ -294,9 +294,8 @@ def remove_earlier_models(output_dir: Path) -> list[str]:
 def check_checkpoint(ckpt: Path) -> None:
     """A checkpoint a run resumes from must be readable: its trainer state (JSON) and its weights (safetensors
     headers, which also hold the file sizes). A bad one is a DataError naming the file, before anything runs."""
-    from safetensors import SafetensorError, safe_open
-
     from .data import DataError
+    from .models import unreadable_safetensors
 
     state = ckpt / "trainer_state.json"
     try:
@@ -304,13 +303,9 @@ def check_checkpoint(ckpt: Path) -> None:
     except (OSError, ValueError) as e:
         raise DataError(f"{state} cannot be read ({e}); remove {ckpt.name} to resume from the checkpoint before "
                         "it, or start over (--no-resume)") from e
-    for weights in sorted(ckpt.glob("*.safetensors")):
-        try:
-            with safe_open(str(weights), framework="pt") as f:
-                f.keys()
-        except (SafetensorError, OSError) as e:
-            raise DataError(f"{weights} cannot be read ({e}); remove {ckpt.name} to resume from the checkpoint "
-                            "before it, or start over (--no-resume)") from e
+    if (bad := unreadable_safetensors(ckpt)) is not None:
+        raise DataError(f"{bad[0]} cannot be read ({bad[1]}); remove {ckpt.name} to resume from the checkpoint "
+                        "before it, or start over (--no-resume)")
 
 
 def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = True) -> TrainResult:
