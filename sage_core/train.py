@@ -337,6 +337,12 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
         log.warning("%s: %d tracker files of steps after %s were discarded (written after the last checkpoint, "
                     "or by an earlier run); those steps are trained again", output_dir, len(stale),
                     ckpt.name if ckpt is not None else "the start")
+    if ckpt is None and resume:
+        # decided together: a process that read spec.json after another rewrote it saw no earlier spec, but the
+        # first to write had read it before (every process reads before it writes)
+        from accelerate.utils import gather_object
+
+        earlier = next((e for e in gather_object([earlier]) if e), [])
     if not resume or (ckpt is None and earlier):
         # starting over: nothing an earlier run left (fixed hints, checkpoints, model) is read
         trainer.hint_source.start_over(delete=trainer.accelerator.is_main_process)
