@@ -209,10 +209,7 @@ def _quantities(hint: str) -> str:
     h = re.sub(r"\{,\}", ",", hint)
     h = re.sub(r"(?<=\d),?\\[,!;:]\s*(?=\d{3}(?!\d))", ",", h)
     h = re.sub(r"[\^_]\s*(?:\{[^{}]*\}|-?\d+(?:\.\d+)?)", "p", h)  # a letter: x^2-4 stays a subtraction
-    return re.sub(r"\b([Ss]teps?)\s+\d+\b", r"\1", h)
-
-
-_CHOICE = re.compile(r"[A-E]")  # a multiple-choice answer
+    return re.sub(r"\b([Ss]tep)\s+\d+\s*(?=[:.)])", r"\1", h)  # a label (Step 2:), not 5 steps 20 times
 
 
 def leaks(hint: str, answer: str) -> bool:
@@ -230,9 +227,8 @@ def leaks(hint: str, answer: str) -> bool:
     ans = re.sub(r"\s", "", re.sub(_TEXT, r"\1", _clean(answer)))
     ans = re.sub(r"^\((\w)\)$", r"\1", ans)  # a choice: (C) is also written C
     text = re.sub(_TEXT, r"\1", _clean(hint))
-    if _CHOICE.fullmatch(ans):  # named as a choice: "(A)", "option A", "the answer is A"; not the article "A"
-        return re.search(rf"\(\s*{ans}\s*\)|(?i:option|choice|answer)(?:\s+(?i:is))?\s*:?\s*{ans}(?![A-Za-z0-9])",
-                         text) is not None
+    if ans == "A":  # the choice A, not the article: "A good first step" is no leak, "(A)" and "A is right" are
+        text = re.sub(r"\bA(?=\s+[a-z])(?!\s+is\b)", " ", text)
     return bool(ans) and _mentions(text, ans)
 
 

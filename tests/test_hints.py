@@ -106,7 +106,11 @@ def req(pid="p1", level=3, answer="9"):
     # a choice letter is a leak only where it is named as a choice, not as the article "A"
     ("A good first step is to factor.", "A", False),
     ("A first step: factor.", "(A)", False),
+    ("A is the right choice.", "A", True),
     ("The answer is (A).", "A", True),
+    ("Therefore B is correct.", "B", True),
+    ("Pick D, since the others fail.", "D", True),
+    ("He walks 5 steps 20 times in all.", "20", True),
     ("so option B is right", "B", True),
     ("so the answer is C", "\\text{(C)}", True),
 ])
@@ -561,12 +565,14 @@ def test_sage_hints_resumes_only_the_hints_written_for_the_same_problems(monkeyp
     assert len(teacher.bodies) == 2  # syn-0-1 (another problem's hint) and syn-0-2 (no problem_sha)
     shown = capsys.readouterr().out
     assert "resuming: 1 hints already in" in shown and "; 2 others there were not written for this spec's" in shown
+    assert "1 without problem_sha replaced" in shown
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert {(r["prompt_id"], r["hint"], r.get("problem_sha")) for r in rows} == {
         ("syn-0-0", "hard hint .", shas["syn-0-0"]), ("syn-0-1", "Work from left to right .", shas["syn-0-1"]),
         ("syn-0-2", "Work from left to right .", shas["syn-0-2"]),
-        # the hints asked again for are not dropped: kept beside the new ones, for the problems they were written for
-        ("syn-0-1", "easy hint .", problem_sha(easy[1]["problem"])), ("syn-0-2", "old hint .", None)}
+        # another problem's hint is kept beside the new one, for the problem it was written for; the one without
+        # problem_sha is replaced (training would take it for this spec's problem where the new one is missing)
+        ("syn-0-1", "easy hint .", problem_sha(easy[1]["problem"]))}
     assert read_hint_variants(out)[("syn-0-1", 1)][shas["syn-0-1"]] == "Work from left to right ."
 
 
@@ -647,6 +653,26 @@ def test_sage_hints_never_drops_the_hints_of_another_spec_in_the_partial_file(mo
     src = TeacherHints(str(out2))
     src.prepare(theirs, HintContext(generate=ScriptedModel([])))
     assert src.hints[(theirs[2]["prompt_id"], 3)] == f"their hint {theirs[2]['prompt_id']} 3 ."
+
+
+def test_sage_hints_never_lets_a_hint_without_problem_sha_stand_for_this_specs_problem(monkeypatch, tmp_path,
+                                                                                        capsys):
+    """A hint without problem_sha under one of this spec's prompt ids is asked again; where the new one leaks, the
+    old one is not left in --out for training to take as this problem's."""
+    from sage_core import cli
+    from sage_core.data import synthetic_rows
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    row = synthetic_rows(2, seed=0)[0]
+    out = tmp_path / "teacher.jsonl"
+    write_hints(tmp_path / "teacher.partial.jsonl", [(row["prompt_id"], 1, "OLD hint for some other problem .")])
+    with _ChatEndpoint(lambda body: (200, f"The answer is {row['answer']} .")) as teacher:  # every sample leaks
+        assert cli.main(["hints", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--levels", "1",
+                         "--out", str(out), "--teacher", teacher.url]) == 0
+    assert "OLD hint" not in out.read_text()
+    src = TeacherHints(str(out))
+    src.prepare(synthetic_rows(2, seed=0), HintContext(generate=ScriptedModel([])))
+    assert (row["prompt_id"], 1) not in src.hints
 
 
 def test_teacher_paths_expand_home_and_take_hints_files_in_any_case(monkeypatch, tmp_path):
