@@ -344,7 +344,8 @@ def cmd_hints(args: argparse.Namespace) -> int:
     run asks only for the rest (hints written for another problem under the same prompt id are asked again); the
     finished file is renamed to FILE.jsonl. Hints there that are not for this spec's problems (another spec's prompt
     ids, another problem under one id) are never dropped: they stay in FILE.partial.jsonl and go on into FILE.jsonl
-    (one hints file holds hints for several problems, told apart by problem_sha). Where the teacher gave no answer
+    (one hints file holds hints for several problems, told apart by problem_sha); one without problem_sha under
+    this spec's prompt ids is asked again and replaced (training would take it for this spec's problem). Where the teacher gave no answer
     for some hints, FILE.jsonl is not written (one already there stays as it was), FILE.partial.jsonl keeps the
     others and the command exits 1."""
     spec = build_spec(args.preset, args.spec, args.set)
@@ -379,15 +380,19 @@ def cmd_hints(args: argparse.Namespace) -> int:
     variants = read_hint_variants(partial) if partial.exists() else {}
     done, redo = pick_hints({k: v for k, v in variants.items() if k[0] in shas}, shas, loose=False)
     redo = [k for k in redo if k[1] in levels]
-    # every other hint there (another spec's prompt ids; another problem's, or one without problem_sha, under this
-    # spec's ids): the teacher wrote it, so it goes into every rewrite of the file and into --out, as it is
+    # every hint there for another problem (another spec's prompt ids, another problem_sha under this spec's ids):
+    # the teacher wrote it, so it goes into every rewrite of the file and into --out, as it is. One without
+    # problem_sha under this spec's ids is replaced: training would take it for this spec's problem
     kept = [(pid, lv, text, sha) for (pid, lv), by_sha in variants.items() for sha, text in by_sha.items()
-            if not (pid in shas and sha == shas[pid])]
+            if pid not in shas or sha not in (None, shas[pid])]
     other_ids = sum(pid not in shas for pid, *_ in kept)
-    if done or kept:
+    unmarked = sum(None in by_sha for (pid, _), by_sha in variants.items() if pid in shas)
+    if done or kept or unmarked:
         print(f"resuming: {len(done)} hints already in {partial}"
               + (f"; {len(redo)} others there were not written for this spec's problems (their problem_sha differs "
-                 "or is missing): asked again, the old ones kept beside them" if redo else "")
+                 "or is missing): asked again" + (f", {unmarked} without problem_sha replaced, the others kept "
+                                                  "beside them" if unmarked else ", the old ones kept beside them")
+                 if redo else "")
               + (f"; {other_ids} hints for prompt ids not in this spec: kept as they are" if other_ids else ""))
     reqs = [HintRequest(r["prompt_id"], r["problem"], r["solution"], r["answer"], lvl)
             for r in rows for lvl in levels if (r["prompt_id"], lvl) not in done]
