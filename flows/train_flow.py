@@ -121,6 +121,10 @@ def _complete_evals(spec: RunSpec, run_id: str, label: str, benchmarks: dict[str
     for when in wanted:
         if when == "before":
             rows = run_eval(spec.model, benches, spec, label=f"{label}-before", cache=True, gguf_file=spec.gguf_file)
+        elif not tracking.has_artifact(run_id, "checkpoint"):
+            get_run_logger().warning("%s: MLflow run %s uploaded no checkpoint/ to evaluate after training; "
+                                     "force=true trains it again", label, run_id)
+            continue
         else:
             rows = run_eval(resolve_model(f"runs:/{run_id}")[0], benches, spec, label=f"{label}-after", cache=False)
         tracking.log_eval(pd.DataFrame(rows), when, run_id)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Method = Literal["grpo", "sage", "sage-light", "dapo-filter", "ada-seq", "ada-est", "sage-light+ada-seq"]
 HintSourceName = Literal["online", "fixed", "teacher"]
 Weighting = Literal["none", "linear", "log", "arcsin-sqrt"]
+HINTING_METHODS = ("sage", "sage-light", "sage-light+ada-seq")  # the methods that write and use hints
 
 
 class RunSpec(BaseModel):
@@ -125,7 +126,7 @@ class RunSpec(BaseModel):
 
     @property
     def uses_hints(self) -> bool:
-        return self.method in ("sage", "sage-light", "sage-light+ada-seq")
+        return self.method in HINTING_METHODS
 
 
 def layout_error(spec: RunSpec, world: int) -> str | None:

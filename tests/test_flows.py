@@ -240,6 +240,8 @@ def test_benchmark_rows_take_the_trained_models_format(tmp_path, monkeypatch):
 def test_an_eval_run_is_tagged_with_the_method_that_trained_its_model(tmp_path, monkeypatch):
     """sage-eval's run carries the method and hint source of the model it evaluated (its MLflow run's, or the
     spec.json beside a checkpoint folder), not its preset's; a model no run trained is `base`."""
+    import json
+
     from flows.eval_flow import provenance
 
     monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
@@ -256,6 +258,11 @@ def test_an_eval_run_is_tagged_with_the_method_that_trained_its_model(tmp_path, 
     assert provenance(str(out / "final"), str(out / "final"), None) == {
         "model": "tiny", "method": "grpo", "hint_source": "none"}  # GRPO writes no hints, whatever the field says
     assert provenance("org/real", "org/real", None) == {"model": "org/real", "method": "base", "hint_source": "none"}
+    # a spec.json this RunSpec refuses (an older version's field): its own method and hint source, as written
+    (out / "spec.json").write_text(json.dumps({"model": "tiny", "method": "sage", "hint_source": "fixed",
+                                               "retired_field": 1}))
+    assert provenance(str(out / "final"), str(out / "final"), None) == {
+        "model": "tiny", "method": "sage", "hint_source": "fixed"}
 
 
 def test_runs_model_is_downloaded_again_when_a_resumed_run_uploads_a_newer_checkpoint(tmp_path, monkeypatch):
