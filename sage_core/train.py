@@ -274,8 +274,15 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
 
 
 def last_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest whole checkpoint: HF's trainer_state.json is there and, where the run's checkpoints carry the
+    trainer's side files (the training seconds are written last, after the fresh-prompt pool and the scheduler's
+    generator), those too; one without them beside ones with them was cut short by a kill while saving."""
     ckpts = [p for p in Path(output_dir).glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)]
     ckpts = [p for p in ckpts if (p / "trainer_state.json").exists()]
+    if whole := [p for p in ckpts if (p / TRAIN_SECONDS_FILE).exists()]:
+        if cut := sorted(p.name for p in set(ckpts) - set(whole)):
+            log.warning("%s: %s not whole (saving was cut short): not resumed from", output_dir, ", ".join(cut))
+        ckpts = whole
     return max(ckpts, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 

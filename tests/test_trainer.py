@@ -284,6 +284,24 @@ def test_fixed_hints_of_a_run_of_another_spec_that_failed_before_its_first_step_
             (tmp_path / f).unlink()
 
 
+def test_a_checkpoint_cut_short_while_saving_is_not_resumed_from(tmp_path):
+    """A kill after HF's files but before the trainer's side files (fresh-prompt pool, scheduler generator, training
+    seconds: written last) leaves a checkpoint that looks whole to HF: the one before it is resumed from. Folders
+    whose checkpoints carry no side files at all (another version's) resume from the newest."""
+    from sage_core.train import TRAIN_SECONDS_FILE, last_checkpoint
+
+    for step, whole in ((1, True), (2, True), (3, False)):
+        ckpt = tmp_path / f"checkpoint-{step}"
+        ckpt.mkdir()
+        (ckpt / "trainer_state.json").write_text("{}")
+        if whole:
+            (ckpt / TRAIN_SECONDS_FILE).write_text('{"train_seconds": 1.0}')
+    assert last_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
+    for step in (1, 2):
+        (tmp_path / f"checkpoint-{step}" / TRAIN_SECONDS_FILE).unlink()
+    assert last_checkpoint(tmp_path) == tmp_path / "checkpoint-3"
+
+
 def test_resume_discards_tracker_files_written_after_the_checkpoint(tiny_model_dir, tmp_path):
     """A run killed after writing steps 2 and 3 but before their checkpoint leaves their tracker files behind.
     Resumed from checkpoint-1, they are not replayed into the SAGE-LIGHT levels, step 2 is written again from
