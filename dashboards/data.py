@@ -37,6 +37,8 @@ LIVE_TTL = 15  # seconds, for anything that can change while a run is live
 SEARCH_TTL = 30
 
 # tracker columns loaded for the whole run (small, numeric or short strings)
+# the tracker's float columns, NaN where a step has no value (sage_core.tracker.FLOAT_COLUMNS: a test keeps them equal)
+FLOAT_COLUMNS = ["base_pass_rate", "pass_rate", "acc_l1", "acc_l2", "acc_l3"]
 LIGHT_COLUMNS = ["step", "prompt_id", "difficulty", "base_pass_rate", "base_state", "level", "max_level_tried",
                  "pass_rate", "acc_l1", "acc_l2", "acc_l3", "rescued", "hint_failed", "rollouts", "leak_l1",
                  "leak_l2", "leak_l3", "method"]
@@ -303,7 +305,7 @@ def _defaults(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
             df[col] = True
         elif col in ("level", "max_level_tried", "rollouts", "difficulty"):
             df[col] = -1 if col == "difficulty" else 0
-        elif col in ("base_pass_rate", "pass_rate", "acc_l1", "acc_l2", "acc_l3"):
+        elif col in FLOAT_COLUMNS:
             df[col] = np.nan
         elif col == "base_state":
             df[col] = "na"
@@ -336,7 +338,7 @@ def tracker_frame(uri: str, run_id: str, artifact_uri: str, n_files: int, ended:
         df[col] = pd.to_numeric(df[col], errors="coerce").fillna(-1 if col == "difficulty" else 0).astype("int32")
     for col in ("rescued", "hint_failed", "leak_l1", "leak_l2", "leak_l3"):
         df[col] = df[col].fillna(False).astype(bool)
-    for col in ("base_pass_rate", "pass_rate", "acc_l1", "acc_l2", "acc_l3"):
+    for col in FLOAT_COLUMNS:
         df[col] = pd.to_numeric(df[col], errors="coerce").astype("float32")
     return df.sort_values(["step", "prompt_id"], kind="stable").reset_index(drop=True)
 

@@ -140,8 +140,8 @@ def variant_specs(base: RunSpec, methods: list[str], teacher: str | None = None,
     do not depend on it. With `match_budget` every variant stops at the first step boundary where it has rolled
     out GRPO's rollout count for the base spec (max_steps x prompts_per_step x G) or more (a step's rollouts are
     known only once it ran: it spends up to one step of its own more) and may take up to max_rounds x more steps
-    to spend it: methods that re-roll or resample then train on fewer steps. Raises ValueError naming an unknown variant or a teacher
-    variant without a teacher."""
+    to spend it: methods that re-roll or resample then train on fewer steps. Raises ValueError naming an unknown
+    variant or a teacher variant without a teacher."""
     unknown = [m for m in methods if m not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {list(VARIANTS)}")

@@ -345,9 +345,9 @@ def cmd_hints(args: argparse.Namespace) -> int:
     finished file is renamed to FILE.jsonl. Hints there that are not for this spec's problems (another spec's prompt
     ids, another problem under one id) are never dropped: they stay in FILE.partial.jsonl and go on into FILE.jsonl
     (one hints file holds hints for several problems, told apart by problem_sha); one without problem_sha under
-    this spec's prompt ids is asked again and replaced (training would take it for this spec's problem). Where the teacher gave no answer
-    for some hints, FILE.jsonl is not written (one already there stays as it was), FILE.partial.jsonl keeps the
-    others and the command exits 1."""
+    this spec's prompt ids is asked again and replaced (training would take it for this spec's problem). Where the
+    teacher gave no answer for some hints, FILE.jsonl is not written (one already there stays as it was),
+    FILE.partial.jsonl keeps the others and the command exits 1."""
     spec = build_spec(args.preset, args.spec, args.set)
     teacher = args.teacher or spec.teacher
     if not teacher:
@@ -396,6 +396,10 @@ def cmd_hints(args: argparse.Namespace) -> int:
               + (f"; {other_ids} hints for prompt ids not in this spec: kept as they are" if other_ids else ""))
     reqs = [HintRequest(r["prompt_id"], r["problem"], r["solution"], r["answer"], lvl)
             for r in rows for lvl in levels if (r["prompt_id"], lvl) not in done]
+
+    def save() -> None:  # this spec's hints, each with its problem_sha, and every hint kept for other problems
+        write_hints(partial, [(pid, lv, text, shas[pid]) for (pid, lv), text in done.items()] + kept)
+
     source = TeacherHints(teacher, args.teacher_model or spec.teacher_model, spec.hint_max_tokens)
 
     def no_policy(*_):
@@ -409,7 +413,7 @@ def cmd_hints(args: argparse.Namespace) -> int:
             if r.text is not None:
                 done[(q.prompt_id, q.level)] = r.text
             counts[q.level]["written" if r.text is not None else "leaked" if r.leaked else "failed"] += 1
-        write_hints(partial, [(pid, lv, text, shas[pid]) for (pid, lv), text in done.items()] + kept)
+        save()
         print(f"hints: {min(start + args.chunk, len(reqs))}/{len(reqs)} asked, {len(done)} for this spec in "
               f"{partial}" + (f" (and {len(kept)} others kept)" if kept else ""), flush=True)
     print(f"{'level':>5} {'written':>8} {'leaked':>7} {'failed':>7}")
@@ -423,8 +427,7 @@ def cmd_hints(args: argparse.Namespace) -> int:
               + f" are kept in {partial}: run the same command again to ask only for the hints not there "
               f"({failed} failed, {leaked} leaked)", file=sys.stderr)
         return 1
-    # written once more (also when nothing was asked), so every row of this spec carries its problem_sha
-    write_hints(partial, [(pid, lv, text, shas[pid]) for (pid, lv), text in done.items()] + kept)
+    save()  # once more (also when nothing was asked), so every row of this spec carries its problem_sha
     partial.replace(out)
     print(f"wrote {len(done)} hints for {len(rows)} prompts to {out}"
           + (f", with the {len(kept)} hints for other problems that {partial} held ({len(done) + len(kept)} in all)"

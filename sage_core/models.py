@@ -469,7 +469,8 @@ class BadModelFile(ModelNotFound):
     that is not GGUF. The message names the file and what is wrong (the CLI shows it as a one-line error)."""
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def check_local_model(folder: Path, gguf_file: str | None = None) -> None:

@@ -111,8 +111,9 @@ def test_run_resumed_with_a_changed_spec_describes_the_new_spec(store, tmp_path)
     assert run.data.tags["sage.spec_key"] == three.key() and tracking.spec_values(run) == tracking.spec_params(three)
     # the dashboard, which reads runs without importing sage_core.tracking, shows the same values
     from dashboards import data as D
+    from sage_core.tracker import FLOAT_COLUMNS
 
-    assert D.RESUMED_PREFIX == tracking.RESUMED_PREFIX
+    assert D.RESUMED_PREFIX == tracking.RESUMED_PREFIX and D.FLOAT_COLUMNS == FLOAT_COLUMNS
     shown = D.spec_params(run.data.params, run.data.tags)
     assert shown["sage.max_steps"] == "3" and shown["sage.eval_k"] == "2"
     assert {k: v for k, v in shown.items() if k.startswith("sage.")} == tracking.spec_values(run)
