@@ -229,15 +229,21 @@ class SageGRPOTrainer(GRPOTrainer):
         return self._sage_generate(prompts, self._rows)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """TRL's generate, after a check every process makes together: vLLM rejects a prompt that fills its whole
-        context, and one rank failing alone would leave the others waiting in the next collective forever."""
+        """TRL's generate, after a check every process makes together: vLLM rejects a prompt that does not fit its
+        context, and one rank failing alone would leave the others waiting in the next collective forever. The
+        colocated engine refuses a prompt that fills the whole context (it cuts the completion short instead); a
+        server refuses one that leaves no room for max_tokens new tokens (vllm/renderers/params.py
+        _token_len_check: TRL sends max_tokens=max_completion_length), and rank 0 alone would get its HTTP 400."""
         if (limit := self._context_limit()) is not None:
             longest = max(gather_object([max((len(p) for p in prompt_ids), default=0)]))
-            if longest >= limit:
+            server = getattr(getattr(self, "vllm_generation", None), "mode", None) == "server"
+            room = self._max_new_tokens() if server else 1
+            if longest + room > limit:
                 raise PromptTooLong(
-                    f"a prompt of {longest} tokens does not fit vLLM's context of {limit} tokens (max_model_len); "
-                    "set max_prompt_length (longer rows are then left out at load and the context is sized for "
-                    "the rest) or raise it")
+                    f"a prompt of {longest} tokens does not fit vLLM's context of {limit} tokens (max_model_len)"
+                    + (f" with the {room} new tokens a server must have room for (max_completion_length)"
+                       if server else "") + "; set max_prompt_length (longer rows are then left out at load and the "
+                    "context is sized for the rest) or raise it")
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                              has_tool_images)
 

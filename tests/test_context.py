@@ -183,3 +183,32 @@ def test_a_vllm_servers_context_is_read_from_its_models_endpoint():
     finally:
         server.shutdown()
     assert _served_context(url, timeout=2) is None  # no server: no limit known, no check
+
+
+def test_a_server_refuses_a_prompt_without_room_for_the_completion_and_so_does_the_check():
+    """A vLLM server refuses (HTTP 400, on rank 0 only) a prompt whose length plus max_tokens exceeds its
+    max_model_len; the colocated engine refuses only one that fills the context. The check before every generate
+    raises PromptTooLong on every process by the rule of the mode in use, and passes what that mode accepts."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from trl import GRPOTrainer
+
+    from sage_core.trainer import SageGRPOTrainer
+
+    sent = []
+    fake = object.__new__(SageGRPOTrainer)  # what the check reads: the mode, its context and completion length
+    fake.use_vllm, fake._ctx_limit = True, 64
+    fake.vllm_generation = SimpleNamespace(mode="server", max_completion_length=40)
+    check = lambda prompt_len: fake._generate_single_turn([[1] * prompt_len], None, {}, 1)
+    with mock.patch.object(GRPOTrainer, "_generate_single_turn", lambda self, p, *a, **k: sent.append(len(p[0]))):
+        check(24)  # 24 + 40 = 64: the server takes it
+        with pytest.raises(PromptTooLong, match=r"a prompt of 25 tokens does not fit vLLM's context of 64 tokens "
+                                                r"\(max_model_len\) with the 40 new tokens.*max_completion_length"):
+            check(25)
+        fake.vllm_generation.mode = "colocate"  # the engine cuts the completion short instead
+        check(63)
+        with pytest.raises(PromptTooLong, match=r"a prompt of 64 tokens does not fit vLLM's context of 64 tokens "
+                                                r"\(max_model_len\); set max_prompt_length"):
+            check(64)
+    assert sent == [24, 63]
