@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -404,7 +405,7 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     summary["train_seconds"] = clock.before if done else summary["train_seconds"] + clock.before
     summary["wall_seconds"] = wall  # this session's, model loading included
     if trainer.accelerator.is_main_process:  # the main process's times (each process measures its own)
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (output_dir / "summary.json").write_text(json.dumps(strict_json(summary), indent=2, allow_nan=False))
     release_vllm(trainer)
     return TrainResult(output_dir, final, Path(trainer.args.tracker_dir), trainer.state.global_step, wall,
                        summary, history)
@@ -435,6 +436,12 @@ def shutdown_distributed() -> None:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+
+
+def strict_json(summary: dict) -> dict:
+    """The summary as strict JSON takes it: a number that is not one (NaN: nothing measured) is null; Python's
+    json writes a bare NaN that jq, JavaScript and most other readers refuse."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
 
 
 def summarize(history: list[dict], tracker) -> dict[str, float]:

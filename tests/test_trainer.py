@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 
 import pandas as pd
@@ -58,6 +60,13 @@ def test_grpo_on_hard_prompts_collapses(tiny_model_dir, tmp_path):
     assert res.summary["gen_tokens"] == pytest.approx(sum(lengths) * 4 * 8)
     assert res.summary["train_tokens"] == max(h["num_tokens"] for h in res.log_history if "num_tokens" in h)
     assert (res.checkpoint_dir / "config.json").exists()
+    # summary.json is strict JSON: activation memory was not measured, and is null there, not a bare NaN
+    def refuse(name):
+        raise ValueError(f"summary.json holds {name}")
+
+    saved = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
+    assert math.isnan(res.summary["activation_mb"]) and saved["activation_mb"] is None
+    assert saved["rollouts"] == res.summary["rollouts"] and saved["never_solved"] == res.summary["never_solved"]
 
 
 def test_sage_rescues_collapsed_groups_with_hints(sage_hard):
