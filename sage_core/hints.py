@@ -520,21 +520,16 @@ def is_hints_file(teacher: str) -> bool:
 def check_teacher_model(path: str) -> str:
     """The teacher model's name to load ('~' expanded), after the cheap checks (no loading): a local path exists, a
     .gguf is a file, a folder holds a config.json or a LoRA adapter. Raises ModelNotFound naming the teacher."""
-    from .models import ModelNotFound, _looks_local
+    from .models import ModelNotFound, _looks_local, check_model_path
 
     if path in ("tiny", "smollm2") or not _looks_local(path) and not path.lower().endswith(".gguf"):
         return path  # a built-in name, or a Hugging Face id: known only once loaded
     p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelNotFound(f"teacher {path}: not found: {p.resolve()} does not exist (a teacher is a hints file "
-                            f"({', '.join(HINTS_FILE_SUFFIXES)}), an OpenAI-compatible URL http[s]://host/v1, or a "
-                            "model: a local folder, a .gguf file or a Hugging Face id)")
-    if p.suffix.lower() == ".gguf":
-        if not p.is_file():
-            raise ModelNotFound(f"teacher {path}: {p.resolve()} is not a .gguf file")
-    elif not p.is_dir() or not ((p / "config.json").is_file() or (p / "adapter_config.json").is_file()):
-        raise ModelNotFound(f"teacher {path}: {p.resolve()} is not a model (a folder with a config.json, or a .gguf "
-                            f"file) nor a hints file ({', '.join(HINTS_FILE_SUFFIXES)})")
+    try:
+        check_model_path(p)
+    except ModelNotFound as e:
+        raise ModelNotFound(f"teacher {path}: {e}; a teacher may also be a hints file ({', '.join(HINTS_FILE_SUFFIXES)}) "
+                            "or an OpenAI-compatible URL http[s]://host/v1") from None
     return str(p)
 
 

@@ -473,6 +473,24 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
+def check_model_path(p: Path) -> None:
+    """The checks of a local model path that read no weights: it exists, a .gguf is a file, anything else is a folder
+    with a config.json or a LoRA adapter (adapter_config.json). Raises ModelNotFound saying which; load_policy and
+    a local teacher (sage_core.hints.check_teacher_model) both check a path here before loading it."""
+    if not p.exists():
+        what = "GGUF file" if p.suffix.lower() == ".gguf" else "model"
+        raise ModelNotFound(f"{what} not found: {p.resolve()} does not exist (a model is 'tiny', 'smollm2', a local "
+                            "folder or .gguf file, or a Hugging Face id such as org/name)")
+    if p.suffix.lower() == ".gguf":
+        if not p.is_file():
+            raise ModelNotFound(f"GGUF file not found: {p.resolve()} is not a file")
+    elif not p.is_dir() or not ((p / "config.json").is_file() or (p / "adapter_config.json").is_file()):
+        what = "model folder" if p.is_dir() else "model file"
+        raise ModelNotFound(f"{what} {p.resolve()} has no config.json: not a saved model, which is a folder (a "
+                            "run's trained model is its final/ or a checkpoint-N/ folder, or a LoRA run's adapter "
+                            "folder) or a .gguf file")
+
+
 def check_local_model(folder: Path, gguf_file: str | None = None) -> None:
     """Cheap checks of a local model before transformers reads it (whose errors name a hub URL or no file): the
     GGUF file is there and starts with the GGUF magic; a folder has weights, and each .safetensors file's header
@@ -535,8 +553,7 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
         name, gguf_file = str(gguf.parent), gguf.name
     elif name.lower().endswith(".gguf") and gguf_file is None:
         p = Path(name).expanduser()
-        if not p.is_file():
-            raise ModelNotFound(f"GGUF file not found: {p}")
+        check_model_path(p)
         name, gguf_file = str(p.parent), p.name
     if gguf_file is not None:
         try:
@@ -547,10 +564,9 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
         tok_kwargs = {"gguf_file": gguf_file}
     else:
         tok_kwargs = {}
-    if _looks_local(name) and not Path(name).expanduser().exists():
-        raise ModelNotFound(f"model not found: {Path(name).expanduser().resolve()} does not exist (a model is 'tiny', "
-                            "'smollm2', a local folder or .gguf file, or a Hugging Face id such as org/name)")
     local = Path(name).expanduser()
+    if _looks_local(name) and not local.exists() or gguf_file is None and local.exists():
+        check_model_path(local)  # (a gguf_file's folder that exists: check_local_model checks the file below)
     from .lora import adapter_base, merged_model
 
     base = adapter_base(local) if gguf_file is None else None
@@ -558,11 +574,6 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
         model = merged_model(base, local, dtype=dtype)
         tokenizer = load_tokenizer(local if (local / "tokenizer_config.json").is_file() else resolve_model_path(base))
         return model, tokenizer
-    if gguf_file is None and local.exists() and not (local / "config.json").is_file():
-        what = "model folder" if local.is_dir() else "model file"
-        raise ModelNotFound(f"{what} {local.resolve()} has no config.json: not a saved model, which is a folder (a "
-                            "run's trained model is its final/ or a checkpoint-N/ folder, or a LoRA run's adapter "
-                            "folder) or a .gguf file")
     if local.exists():
         check_local_model(local, gguf_file)
     from safetensors import SafetensorError

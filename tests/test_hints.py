@@ -699,11 +699,11 @@ def test_a_model_teacher_is_checked_at_once_and_loaded_only_when_asked(monkeypat
 
     loads = []
     monkeypatch.setattr(models, "load_policy", lambda name, *a, **k: loads.append(name) or 1 / 0)
-    with pytest.raises(ModelNotFound, match=r"^teacher /nonexistent/teacher: not found"):
+    with pytest.raises(ModelNotFound, match=r"^teacher /nonexistent/teacher: model not found: .* does not exist .*a hints file"):
         TeacherHints("/nonexistent/teacher")
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ModelNotFound, match=r"^teacher .*empty: .* is not a model"):
+    with pytest.raises(ModelNotFound, match=r"^teacher .*empty: model folder .*empty has no config.json: not a saved model.*a hints file"):
         TeacherHints(str(empty))
     folder = tmp_path / "teacher"
     folder.mkdir()
