@@ -23,7 +23,7 @@ from pydantic import Field
 from flows.common import resolve_benchmarks, run_eval, slug
 from flows.params import PresetName, resolve_spec
 from sage_core import tracking
-from sage_core.spec import HINTING_METHODS, recorded_fields, recorded_spec
+from sage_core.spec import HINTING_METHODS, recorded_fields, spec_from_fields
 
 
 def resolve_model(model: str) -> tuple[str, str | None]:
@@ -58,7 +58,8 @@ def provenance(model: str, ref: str, source_run: str | None) -> dict[str, str]:
     folder = Path(ref).expanduser()
     for run in (folder, folder.parent):
         if folder.is_dir() and (run / "spec.json").is_file():
-            fields, spec = recorded_fields(run) or {}, recorded_spec(run)
+            fields = recorded_fields(run) or {}
+            spec = spec_from_fields(fields or None)
             hinted = spec.uses_hints if spec is not None else fields.get("method") in HINTING_METHODS
             source = spec.hint_source if spec is not None else fields.get("hint_source") or "online"
             return {"model": fields.get("model") or model, "method": fields.get("method") or "base",

@@ -210,7 +210,12 @@ def recorded_fields(out: str | Path) -> dict | None:
 def recorded_spec(out: str | Path) -> RunSpec | None:
     """The RunSpec recorded in `<out>/spec.json` (fields it lacks at their defaults); None where there is none or it
     is unreadable, including one this RunSpec refuses (a field it does not have, a value out of its bounds)."""
-    if (fields := recorded_fields(out)) is None:
+    return spec_from_fields(recorded_fields(out))
+
+
+def spec_from_fields(fields: dict | None) -> RunSpec | None:
+    """The RunSpec of fields recorded in a spec.json (recorded_fields); None for none, or ones this RunSpec refuses."""
+    if fields is None:
         return None
     try:
         return RunSpec.model_validate(fields)
