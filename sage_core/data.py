@@ -342,20 +342,30 @@ def _get_nested(record: Mapping[str, Any], dotted: str) -> Any:
     return cur
 
 
+def _content_text(content: Any) -> str:
+    """A message's content as text: a string, or OpenAI-style parts [{"type": "text", "text": ...}] joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(isinstance(p, Mapping) and p.get("type") == "text"
+                                                     and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise TypeError(f"message content must be text, got {content!r}"[:120])
+
+
 def _normalise_prompt(prompt: Any, system_prompt: str | None) -> list[dict[str, str]]:
     if isinstance(prompt, str):
         return prompts.chat(prompt, system_prompt)
-    msgs = [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
+    msgs = [{"role": str(m["role"]), "content": _content_text(m["content"])} for m in prompt]
     if system_prompt and not any(m["role"] == "system" for m in msgs):
         msgs.insert(0, {"role": "system", "content": system_prompt})
     return msgs
 
 
 def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
-                      system_prompt: str | None = None) -> list[dict[str, Any]]:
+                      system_prompt: str | None = None, first_row: int = 0) -> list[dict[str, Any]]:
     """Records with any of the accepted column names -> rows in the schema. Raises DataError (a ValueError) on
     missing columns (naming the column, the source and the columns found), malformed prompts and duplicated prompt
-    ids; rows are counted from 0."""
+    ids; rows are counted from `first_row` (0; the held-out rows of a file: their row in it)."""
     records = [_to_py(dict(r)) for r in records]
     columns = sorted({k for r in records for k in r})
     if not records:
@@ -379,7 +389,7 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
                              f"that ends in \\boxed{{answer}}); columns found: {columns}")
         boxed_in_solution = True
     rows, no_solution, gsm8k = [], 0, 0
-    for i, r in enumerate(records):
+    for i, r in enumerate(records, first_row):
         prompt = r.get("prompt")
         problem = first(r, PROBLEM_ALIASES)
         if _is_blank(prompt) or (isinstance(prompt, list) and not prompt):
@@ -579,7 +589,7 @@ def eval_rows(spec: Any):
     rest = records[spec.num_prompts:spec.num_prompts + n]
     if not rest:
         raise DataError(f"{name}: no rows left for evaluation after the first {spec.num_prompts} training rows")
-    return to_dataset(normalise_records(rest, name, system))
+    return to_dataset(normalise_records(rest, name, system, first_row=spec.num_prompts))
 
 
 def load_benchmark(source: str, limit: int | None = None, system_prompt: str | None = None,

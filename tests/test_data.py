@@ -233,6 +233,11 @@ def test_synthetic_source_and_missing_file(tmp_path):
     ("broken.json", '[{"problem": "p",\n "answer": }]', "not valid JSON at line 2 column"),
     ("chat.jsonl", '{"prompt": [["user", "hi"]], "answer": "1"}\n', "row 0: 'prompt' must be a string or a list"),
     ("table.parquet", "not parquet", "not a readable Parquet file"),
+    ("null.jsonl", '{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}\n'
+                   '{"prompt": [{"role": "user", "content": null}], "answer": "1"}\n',
+     "row 1: 'prompt' must be a string or a list"),  # not the text "None"
+    ("image.jsonl", '{"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], '
+                    '"answer": "1"}\n', "row 0: 'prompt' must be a string or a list"),
 ])
 def test_malformed_files_name_the_file_and_the_place(tmp_path, name, content, needle):
     path = tmp_path / name
@@ -303,6 +308,19 @@ def test_eval_rows_from_a_file_are_the_rows_after_the_training_rows(tmp_path):
     spec = RunSpec(data=str(path), num_prompts=6, eval_num_prompts=3)
     assert build_dataset(spec)["problem"] == [f"p{i}" for i in range(6)]
     assert eval_rows(spec)["problem"] == ["p6", "p7", "p8"]
+    # a bad held-out row is named by its row in the file (counted from 0, as a training row is), not in the slice
+    lines = path.read_text().splitlines()
+    lines[7] = json.dumps({"problem": " ", "answer": "7"})
+    path.write_text("\n".join(lines))
+    with pytest.raises(data.DataError, match=r"row 7 has no 'prompt'"):
+        eval_rows(spec)
+
+
+def test_chat_content_given_as_text_parts_is_their_text(tmp_path):
+    """OpenAI-style content parts ([{"type": "text", "text": ...}]) are the text they hold, not the list's repr."""
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 2 ?"}]
+    row = data.normalise_records([{"prompt": [{"role": "user", "content": parts}], "answer": 4}])[0]
+    assert row["prompt"][-1] == {"role": "user", "content": "What is 2 + 2 ?"} and row["problem"] == "What is 2 + 2 ?"
 
 
 def test_held_out_rows_of_a_data_set_trained_on_its_test_split_are_not_its_training_rows(tmp_path):
