@@ -233,11 +233,11 @@ def test_synthetic_source_and_missing_file(tmp_path):
     ("broken.json", '[{"problem": "p",\n "answer": }]', "not valid JSON at line 2 column"),
     ("chat.jsonl", '{"prompt": [["user", "hi"]], "answer": "1"}\n', "row 0: 'prompt' must be a string or a list"),
     ("table.parquet", "not parquet", "not a readable Parquet file"),
-    ("null.jsonl", '{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}\n'
-                   '{"prompt": [{"role": "user", "content": null}], "answer": "1"}\n',
+    ("null.jsonl", ('{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}\n'
+                    '{"prompt": [{"role": "user", "content": null}], "answer": "1"}\n'),
      "row 1: 'prompt' must be a string or a list"),  # not the text "None"
-    ("image.jsonl", '{"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], '
-                    '"answer": "1"}\n', "row 0: 'prompt' must be a string or a list"),
+    ("image.jsonl", ('{"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], '
+                     '"answer": "1"}\n'), "row 0: 'prompt' must be a string or a list"),
 ])
 def test_malformed_files_name_the_file_and_the_place(tmp_path, name, content, needle):
     path = tmp_path / name
