@@ -192,7 +192,7 @@ def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
     import torch
 
     from .data import DataError, build_dataset
-    from .models import load_policy
+    from .models import BadModelFile, load_policy
     from .reward import warm_pool_in_background
     from .vllm_cpu import engines_eager_if_asked, keep_plain_weights
 
@@ -209,6 +209,10 @@ def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
     # float32 master weights, as TRL loads them (transformers 5 would load a bf16 checkpoint in bf16, where AdamW
     # steps of lr 1e-6 round to nothing); bf16 compute comes from args.bf16 (autocast), vLLM reads the config
     model, tokenizer = load_policy(spec.model, spec.gguf_file, dtype=torch.float32)
+    if not getattr(tokenizer, "chat_template", None):  # TRL would fail mid-step, deep in _tokenize_prompts
+        raise BadModelFile(f"model {spec.model}: its tokenizer has no chat template, and SAGE's prompts are chat "
+                           "messages (the hint goes into the last user turn): use an instruct model, or set the "
+                           "tokenizer's chat_template and save it with the model")
     if spec.max_prompt_length:
         dataset = _drop_long_prompts(spec, dataset, tokenizer, output_dir)
     return args, dataset, model, tokenizer

@@ -279,6 +279,20 @@ def test_eval_of_a_folder_that_is_no_model_exits_2_naming_it(capsys, tmp_path):
     assert rc == 2 and err.startswith(f"sage eval: model file {table} has no config.json: not a saved model")
 
 
+def test_train_of_a_model_without_a_chat_template_exits_2_saying_so(capsys, tmp_path, tiny_model_dir):
+    """A base model's tokenizer has no chat template: refused before training (TRL failed mid-step, a traceback)."""
+    import shutil
+
+    model = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "chat_template.jinja").unlink()
+    rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", f"model={model}", "--set", "max_steps=1",
+                         "--output-dir", str(tmp_path / "run"))
+    last = err.strip().splitlines()[-1]  # (after transformers' weight-loading progress bar)
+    assert rc == 2 and last.startswith(f"sage train: model {model}: its tokenizer has no chat template"), err
+    assert not (tmp_path / "run" / "checkpoint-1").exists()
+
+
 def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
     """`sage train` hands the built spec, the output dir and resume to sage_core.train.train and writes
     train_result.json (the file sage_core.launch reads back)."""
