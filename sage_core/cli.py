@@ -322,6 +322,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if path != "synthetic" and not Path(path.rsplit(":", 1)[0]).exists() and not re.fullmatch(
                 r"[\w.-]+/[\w.-]+(:[\w.-]+)?", path):
             raise SpecError(f"--benchmark {name}={path}: no such file (and not an HF dataset name)")
+    if args.output:  # the table written over a data file it was scored on would lose that file
+        out = Path(args.output).expanduser().resolve()
+        inputs = {f"--benchmark {name}'s data file": p for name, p in benchmarks.items() if p != "synthetic"}
+        for what, p in {**inputs, "the data file (data=) its held-out rows come from": spec.data}.items():
+            if Path(p).expanduser().resolve() == out:
+                raise SpecError(f"--output {args.output}: is {what}; write the table elsewhere")
     from .evaluate import evaluate
 
     rows = {name: benchmark_rows(spec, path) for name, path in benchmarks.items()}

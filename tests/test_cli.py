@@ -279,6 +279,21 @@ def test_eval_of_a_folder_that_is_no_model_exits_2_naming_it(capsys, tmp_path):
     assert rc == 2 and err.startswith(f"sage eval: model file {table} has no config.json: not a saved model")
 
 
+def test_eval_output_that_is_an_input_data_file_is_refused_before_anything_runs(capsys, tmp_path):
+    """`--output` naming a benchmark's file (or the spec's data file) would replace the data with the score table."""
+    import pandas as pd
+
+    data = tmp_path / "data.parquet"
+    pd.DataFrame({"problem": ["1 + 1 ?"], "answer": ["2"]}).to_parquet(data)
+    before = data.read_bytes()
+    rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", f"mine={data}", "--output", str(data))
+    assert rc == 2 and err.startswith(f"sage eval: --output {data}: is --benchmark mine's data file"), err
+    rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "s=synthetic", "--set", f"data={data}",
+                         "--output", str(tmp_path / ".." / tmp_path.name / "data.parquet"))
+    assert rc == 2 and "is the data file (data=) its held-out rows come from" in err, err
+    assert data.read_bytes() == before
+
+
 def test_train_of_a_model_without_a_chat_template_exits_2_saying_so(capsys, tmp_path, tiny_model_dir):
     """A base model's tokenizer has no chat template: refused before training (TRL failed mid-step, a traceback)."""
     import shutil
