@@ -177,7 +177,13 @@ def check_run_folder(spec: RunSpec, out: str | Path) -> None:
         return
     if not has_trained(out):
         # not a run: fine, unless it holds files a run writes over (TRL's model card README.md, summary.json)
-        if mine := [n for n in ("README.md", "summary.json") if (out / n).exists()]:
+        mine = [n for n in ("README.md", "summary.json") if (out / n).exists()]
+        # and a spec.json no run wrote (a run writes every field: a user's --spec file, say) that is not this spec
+        recorded = recorded_fields(out)
+        if (out / "spec.json").exists() and (recorded is None or set(recorded) != set(RunSpec.model_fields)) \
+                and spec_changes(spec, out):
+            mine.append("spec.json (not one a run wrote: a --spec file?)")
+        if mine:
             raise RunFolderTaken(f"{out} is not a run's folder and holds {', '.join(mine)}, which training writes "
                                  "over: pick another output dir")
         return

@@ -44,6 +44,24 @@ def test_a_folder_that_is_no_runs_is_refused_when_training_would_write_over_its_
     check_run_folder(RunSpec(), tmp_path)
 
 
+def test_a_users_spec_file_in_the_output_folder_is_not_replaced_by_another_spec(tmp_path):
+    """`--spec exp/spec.json --output-dir exp`: train() writes the spec it trains to exp/spec.json. A spec.json no run
+    wrote (it lacks fields) that differs from that spec is refused (the user's file was replaced); the same spec,
+    or a run's own full spec.json of a run that failed before its first step, is fine."""
+    import json
+
+    from sage_core.spec import RunFolderTaken, check_run_folder
+
+    mine = json.dumps({"method": "sage", "max_steps": 5})
+    (tmp_path / "spec.json").write_text(mine)
+    check_run_folder(RunSpec(method="sage", max_steps=5), tmp_path)  # what the file says: rewritten the same
+    with pytest.raises(RunFolderTaken, match=r"not a run's folder and holds spec.json \(not one a run wrote"):
+        check_run_folder(RunSpec(method="grpo", max_steps=5), tmp_path)
+    assert (tmp_path / "spec.json").read_text() == mine
+    (tmp_path / "spec.json").write_text(RunSpec(method="sage").model_dump_json())  # a run's, failed before step 1
+    check_run_folder(RunSpec(method="grpo"), tmp_path)
+
+
 def test_an_mlflow_run_id_alone_is_no_run(tmp_path):
     """A run that failed before its first step with --mlflow leaves spec.json and mlflow_run_id: nothing trained,
     so the folder takes another spec; once it holds trained steps (tracker files) it is that spec's run."""
