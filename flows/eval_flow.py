@@ -23,7 +23,7 @@ from pydantic import Field
 from flows.common import resolve_benchmarks, run_eval, slug
 from flows.params import PresetName, resolve_spec
 from sage_core import tracking
-from sage_core.spec import HINTING_METHODS, recorded_fields, spec_from_fields
+from sage_core.spec import HINTING_METHODS, recorded_beside, spec_from_fields
 
 
 def resolve_model(model: str) -> tuple[str, str | None]:
@@ -55,16 +55,13 @@ def provenance(model: str, ref: str, source_run: str | None) -> dict[str, str]:
         return {"model": run.data.params.get("sage.model") or model,
                 "method": run.data.tags.get("sage.method") or "base",
                 "hint_source": run.data.tags.get("sage.hint_source") or "none"}
-    folder = Path(ref).expanduser()
-    for run in (folder, folder.parent):
-        if folder.is_dir() and (run / "spec.json").is_file():
-            fields = recorded_fields(run) or {}
-            spec = spec_from_fields(fields or None)
-            hinted = spec.uses_hints if spec is not None else fields.get("method") in HINTING_METHODS
-            source = spec.hint_source if spec is not None else fields.get("hint_source") or "online"
-            return {"model": fields.get("model") or model, "method": fields.get("method") or "base",
-                    "hint_source": source if hinted else "none"}
-    return {"model": model, "method": "base", "hint_source": "none"}
+    if (fields := recorded_beside(ref)) is None:
+        return {"model": model, "method": "base", "hint_source": "none"}
+    spec = spec_from_fields(fields or None)
+    hinted = spec.uses_hints if spec is not None else fields.get("method") in HINTING_METHODS
+    source = spec.hint_source if spec is not None else fields.get("hint_source") or "online"
+    return {"model": fields.get("model") or model, "method": fields.get("method") or "base",
+            "hint_source": source if hinted else "none"}
 
 
 def base_model(model: str, ref: str, source_run: str | None) -> str:

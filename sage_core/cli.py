@@ -329,7 +329,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
             if Path(p).expanduser().resolve() == out:
                 raise SpecError(f"--output {args.output}: is {what}; write the table elsewhere")
     from .evaluate import evaluate
+    from .spec import recorded_beside
 
+    # a run's final/ or checkpoint-N/: the system turn of the model it was trained from (as the sage-eval flow)
+    if (trained_from := (recorded_beside(args.model) or {}).get("model")) and trained_from != spec.model:
+        print(f"sage eval: {args.model} was trained from {trained_from} (its run's spec.json): prompts are built "
+              f"for it, not for the spec's model {spec.model}", file=sys.stderr)
+        spec = spec.model_copy(update={"model": trained_from})
     rows = {name: benchmark_rows(spec, path) for name, path in benchmarks.items()}
     table = evaluate(args.model, rows, use_vllm=spec.use_vllm, k=spec.eval_k, temperature=spec.eval_temperature,
                      top_p=spec.eval_top_p, max_new_tokens=spec.max_completion_length, seed=spec.seed,
@@ -564,7 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="no-hint avg@k / pass@k of a model on benchmarks",
                        description="No-hint avg@k / pass@k. Sampling settings (eval_k, eval_temperature, "
                        "eval_top_p, max_completion_length, use_vllm) come from the spec; its model decides the "
-                       "system turn (none for tiny-cpu, the paper's prompt for the GPU presets).")
+                       "system turn (none for tiny-cpu, the paper's prompt for the GPU presets), except for a run's "
+                       "final/ or checkpoint-N/: the model its run was trained from (the spec.json beside it).")
     p.add_argument("--model", required=True, help="model path (a run's final/ folder), 'tiny', or an HF id")
     p.add_argument("--benchmark", action="append", required=True, metavar="NAME=PATH",
                    help="benchmark name and .parquet/.jsonl file, or 'synthetic' (held-out rows); repeatable")

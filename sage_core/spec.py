@@ -213,6 +213,17 @@ def recorded_fields(out: str | Path) -> dict | None:
     return fields if isinstance(fields, dict) else None
 
 
+def recorded_beside(model_ref: str | Path) -> dict | None:
+    """The fields recorded by the run a model folder is part of: the spec.json in it or in its parent (a run's
+    final/ and checkpoint-N/ lie beside it), {} where that file is unreadable; None for a model no run here trained
+    (not a folder, or no spec.json by it)."""
+    folder = Path(model_ref).expanduser()
+    if not folder.is_dir():
+        return None
+    run = next((f for f in (folder, folder.parent) if (f / "spec.json").is_file()), None)
+    return None if run is None else recorded_fields(run) or {}
+
+
 def recorded_spec(out: str | Path) -> RunSpec | None:
     """The RunSpec recorded in `<out>/spec.json` (fields it lacks at their defaults); None where there is none or it
     is unreadable, including one this RunSpec refuses (a field it does not have, a value out of its bounds)."""

@@ -294,6 +294,32 @@ def test_eval_output_that_is_an_input_data_file_is_refused_before_anything_runs(
     assert data.read_bytes() == before
 
 
+def test_eval_of_a_runs_checkpoint_builds_prompts_for_the_model_it_was_trained_from(capsys, tmp_path, monkeypatch):
+    """A run trained from a real model saw the paper's system turn; `sage eval --model run/final` under the default
+    (tiny) spec evaluates it with that turn too (the spec.json beside final/ says which model), as the flow does."""
+    import pandas as pd
+
+    from sage_core import evaluate as ev
+    from sage_core.prompts import SYSTEM_PROMPT
+
+    seen = {}
+
+    def fake_evaluate(model, rows, **kw):
+        seen.update(rows)
+        return pd.DataFrame([{"benchmark": "s", "k": 1, "avg_at_k": 0.0, "pass_at_k": 0.0, "n_prompts": 1}])
+
+    monkeypatch.setattr(ev, "evaluate", fake_evaluate)
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "spec.json").write_text(RunSpec(model="org/real").model_dump_json())
+    rc, _, err = run_cli(capsys, "eval", "--model", str(run / "final"), "--benchmark", "s=synthetic", "--k", "1")
+    assert rc == 0 and "was trained from org/real" in err
+    assert all(r["prompt"][0] == {"role": "system", "content": SYSTEM_PROMPT} for r in seen["s"])
+    (run / "spec.json").write_text(RunSpec(model="tiny").model_dump_json())  # the tiny model: no system turn
+    rc, _, err = run_cli(capsys, "eval", "--model", str(run / "final"), "--benchmark", "s=synthetic", "--k", "1")
+    assert rc == 0 and "trained from" not in err and all(r["prompt"][0]["role"] == "user" for r in seen["s"])
+
+
 def test_train_of_a_model_without_a_chat_template_exits_2_saying_so(capsys, tmp_path, tiny_model_dir):
     """A base model's tokenizer has no chat template: refused before training (TRL failed mid-step, a traceback)."""
     import shutil
