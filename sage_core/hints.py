@@ -438,7 +438,8 @@ def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHE
     """Chat completions from an OpenAI-compatible endpoint, `concurrency` requests at a time. A transient failure is
     retried (`attempts` tries, waiting backoff, 2 x backoff, ...); one that persists gives an empty hint, which the
     hint sampler resamples and then records as a failed hint: training goes on without it, on every process
-    alike. A refusal that retrying cannot mend (4xx other than 429) raises TeacherError naming the status."""
+    alike, as does one the server refuses as longer than its context. Another refusal that retrying cannot mend (4xx
+    other than 429) raises TeacherError naming the status."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
@@ -446,6 +447,7 @@ def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHE
 
     url = base_url.rstrip("/") + "/chat/completions"
     client = httpx.Client(timeout=timeout)
+    too_long: list[int] = []  # requests the server found over its context (warned about once)
 
     def one(messages: list[dict], max_new_tokens: int, temperature: float) -> str:
         last = ""
@@ -465,6 +467,15 @@ def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHE
                 raise TeacherError(f"teacher endpoint {url} refused the request: HTTP 404: {resp.text[:300]} (no "
                                    "chat completions at that URL: the teacher URL is the OpenAI-compatible base URL, "
                                    f"which ends in /v1, e.g. http://host:8000/v1; got {base_url})")
+            if resp.status_code == 400 and "maximum context length" in resp.text.lower():
+                # vLLM's and OpenAI's words for a request (problem, solution and max_tokens) over the served
+                # context: this request's failure, as a policy hint request without room is (not the teacher's)
+                if not too_long:
+                    log.warning("teacher endpoint %s: a hint request does not fit the served model's context (%s); "
+                                "such hints count as failed (serve it with a larger --max-model-len, or lower "
+                                "hint_max_tokens)", url, resp.text[:200])
+                too_long.append(1)
+                return ""
             if resp.status_code >= 400:
                 raise TeacherError(f"teacher endpoint {url} refused the request: HTTP {resp.status_code}: "
                                    f"{resp.text[:300]} (model {model or 'default'!r}; set teacher_model to the "

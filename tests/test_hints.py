@@ -499,6 +499,14 @@ def test_endpoint_teacher_that_stays_down_fails_the_hints_and_one_that_refuses_s
             TeacherError, match=r"HTTP 400: .*model 'default' does not exist.*set teacher_model"):
         TeacherHints(wrong.url).get(reqs, HintContext(generate=ScriptedModel([])))
     assert len(wrong.bodies) <= len(reqs)  # not retried
+    # a request over the served model's context (vLLM's 400): that hint fails, the run goes on, warned about once
+    caplog.clear()
+    too_long = ("This model's maximum context length is 64 tokens. However, you requested 96 tokens (32 in the "
+                "messages, 64 in the completion). Please reduce the length of the messages or completion.")
+    with _ChatEndpoint(lambda body: (400, json.dumps({"object": "error", "message": too_long}))) as small:
+        got = TeacherHints(small.url).get(reqs, HintContext(generate=ScriptedModel([]), retries=1))
+    assert [r.failed for r in got] == [True, True] and len(small.bodies) == 2 * 2  # not retried, resampled once
+    assert caplog.text.count("does not fit the served model's context") == 1
 
 
 def test_sage_hints_writes_a_teachers_hints_file_that_a_stopped_run_resumes(monkeypatch, tmp_path, capsys):
