@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from sage_core.presets import PRESETS
-from sage_core.spec import RunSpec
+from sage_core.spec import RunSpec, with_absolute_paths
 
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 SPEC_FIELDS: tuple[str, ...] = tuple(RunSpec.model_fields)
@@ -118,4 +118,4 @@ def resolve_spec(preset: str | None = "tiny-cpu", spec: BaseModel | Mapping[str,
         else:
             values.update(dict(spec))
     values.update(given_overrides(overrides or {}))
-    return RunSpec(**values)
+    return with_absolute_paths(RunSpec(**values))

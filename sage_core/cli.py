@@ -108,8 +108,10 @@ def build_spec(preset: str | None = None, spec_file: str | None = None, sets: li
     if spec_file is not None:
         fields.update(load_spec_file(spec_file))
     fields.update(parse_sets(sets))
+    from .spec import with_absolute_paths
+
     try:
-        return RunSpec(**fields)
+        return with_absolute_paths(RunSpec(**fields))
     except ValidationError as e:
         raise SpecError(format_validation_error(e)) from None
 

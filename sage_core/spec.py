@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -161,6 +162,27 @@ RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "rollout_budget", "eval
                               "vllm_gpu_memory_utilization"})
 
 
+PATH_FIELDS = ("model", "data", "teacher")  # a local path, a built-in name, a hub id or (teacher) a URL
+BUILT_IN_NAMES = frozenset({"tiny", "smollm2", "synthetic"})
+
+
+def absolute_path(value):
+    """A path field's value as an absolute path where it names a file or folder that exists here (a relative one is
+    taken from the working directory); a built-in name, a URL, a hub id or a path not here as it is."""
+    if not isinstance(value, str) or not value or value in BUILT_IN_NAMES or "://" in value:
+        return value
+    p = Path(value).expanduser()
+    return os.path.abspath(p) if p.exists() else value
+
+
+def with_absolute_paths(spec: RunSpec) -> RunSpec:
+    """`model`, `data` and `teacher` given as relative local paths made absolute where the spec is built (the CLI's
+    working directory, a flow's worker): spec.json, the spec key and a resume from another working directory then
+    name the same files, not whichever have those names there."""
+    update = {f: a for f in PATH_FIELDS if (a := absolute_path(getattr(spec, f))) != getattr(spec, f)}
+    return spec.model_copy(update=update) if update else spec
+
+
 class RunFolderTaken(ValueError):
     """An output dir that holds a run of another spec; the message names the folder and the changed fields."""
 
@@ -247,5 +269,9 @@ def spec_changes(spec: RunSpec, out: str | Path) -> list[str]:
     if (old := recorded_fields(out)) is None:
         return []
     new = json.loads(spec.model_dump_json())
+
+    def same(k, was):  # a path recorded relative (before paths were made absolute): the file it names from here
+        return was == new[k] or k in PATH_FIELDS and absolute_path(was) == new[k]
+
     return [f"{k} {old.get(k, f.default)!r} -> {new[k]!r}" for k, f in RunSpec.model_fields.items()
-            if k not in RESUMABLE_FIELDS and old.get(k, f.default) != new[k]]
+            if k not in RESUMABLE_FIELDS and not same(k, old.get(k, f.default))]

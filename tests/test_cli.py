@@ -618,7 +618,7 @@ def test_a_bad_teacher_exits_2_naming_it_before_the_policy_loads(capsys, tmp_pat
 
     monkeypatch.setattr(train, "_trainer_inputs", policy)
     base = ["train", "--set", "num_prompts=8", "--set", "prompts_per_step=4", "--set", "max_steps=1"]
-    for teacher, needle in (("/nonexistent/teacher", "sage train: teacher /nonexistent/teacher: not found: "),
+    for teacher, needle in (("/nonexistent/teacher", "sage train: teacher /nonexistent/teacher: model not found: "),
                             (str(tmp_path / "gone.jsonl"), "sage train: teacher hints file not found: ")):
         rc, _, err = run_cli(capsys, *base, "--set", "hint_source=teacher", "--set", f"teacher={teacher}",
                              "--output-dir", str(tmp_path / "run"))

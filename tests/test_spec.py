@@ -105,3 +105,40 @@ def test_one_reader_of_a_runs_spec_json(tmp_path):
         assert recorded_spec(tmp_path) is None and recorded_fields(tmp_path)["method"] in ("nope", "grpo")
         with pytest.raises(RunFolderTaken, match=r"another spec \(method '(nope|grpo)' -> 'sage'\)"):
             check_run_folder(RunSpec(), tmp_path)
+
+
+def test_relative_paths_are_made_absolute_where_the_spec_is_built(tmp_path, monkeypatch):
+    """teacher=hints.jsonl (data=, model= alike) is the file in the working directory the spec was built in: a run
+    resumed from another directory is refused as another spec instead of silently reading that directory's file;
+    built-in names, URLs and names of no local file stay as given. A folder recorded with a relative path (before
+    this) resumes where that path names the same file."""
+    from sage_core.cli import build_spec
+    from sage_core.spec import RunFolderTaken, check_run_folder
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "hints.jsonl").write_text("")
+        (d / "rows.jsonl").write_text("")
+    monkeypatch.chdir(a)
+    spec = build_spec("tiny-cpu", None, ["method=sage", "hint_source=teacher", "teacher=hints.jsonl",
+                                         "data=rows.jsonl"])
+    assert (spec.teacher, spec.data, spec.model) == (str(a / "hints.jsonl"), str(a / "rows.jsonl"), "tiny")
+    assert build_spec(None, None, ["teacher=http://h:8000/v1", "data=org/set"]).teacher == "http://h:8000/v1"
+    assert build_spec(None, None, ["data=org/set"]).data == "org/set"  # no such local path: a hub name
+    run = tmp_path / "run"
+    (run / "tracker").mkdir(parents=True)
+    (run / "tracker" / "step_000001.parquet").write_bytes(b"")
+    (run / "spec.json").write_text(spec.model_dump_json())
+    monkeypatch.chdir(b)
+    again = build_spec("tiny-cpu", None, ["method=sage", "hint_source=teacher", "teacher=hints.jsonl",
+                                          "data=rows.jsonl"])
+    with pytest.raises(RunFolderTaken, match=rf"teacher '{a}/hints.jsonl' -> '{b}/hints.jsonl'"):
+        check_run_folder(again, run)
+    check_run_folder(spec, run)  # the same files, named from anywhere
+    (run / "spec.json").write_text(spec.model_copy(update={"teacher": "hints.jsonl", "data": "rows.jsonl"})
+                                   .model_dump_json())  # recorded relative, by an earlier version
+    check_run_folder(again, run)  # from b, the recorded names are b's files: what this spec names
+    with pytest.raises(RunFolderTaken, match=r"teacher 'hints.jsonl' -> "):
+        check_run_folder(spec, run)
+
