@@ -285,26 +285,35 @@ def _nan(v: Any) -> float:
         return float("nan")
 
 
-def eval_means(eval_df, when: str, k: int | None = None) -> tuple[float, float]:
-    """(mean avg@k, mean pass@k) over benchmarks for `when`."""
+def eval_means(eval_df, when: str, k: int | None = None, benchmarks=None) -> tuple[float, float]:
+    """(mean avg@k, mean pass@k) over benchmarks for `when`, at `k` where the table has rows at k, of `benchmarks`
+    (names) where it has rows of them (a run evaluated on others by an earlier call); where it has both 'before' and
+    'after' rows there, over the benchmarks that have both (a pair compares the same benchmarks)."""
     if eval_df is None or len(eval_df) == 0:
         return float("nan"), float("nan")
+    if benchmarks is not None and eval_df["benchmark"].isin(list(benchmarks)).any():
+        eval_df = eval_df[eval_df["benchmark"].isin(list(benchmarks))]
+    if k is not None and (eval_df["k"] == k).any():
+        eval_df = eval_df[eval_df["k"] == k]
     d = eval_df[eval_df["when"] == when]
-    if k is not None and (d["k"] == k).any():
-        d = d[d["k"] == k]
+    paired = set(eval_df.loc[eval_df["when"] == "before", "benchmark"]) & set(
+        eval_df.loc[eval_df["when"] == "after", "benchmark"])
+    if paired:
+        d = d[d["benchmark"].isin(paired)]
     if len(d) == 0:
         return float("nan"), float("nan")
     return float(d["avg_at_k"].mean()), float(d["pass_at_k"].mean())
 
 
-def row_from_run(run_id: str) -> dict[str, Any]:
-    """One result row of a training run, read back from MLflow (the same for fresh and skipped runs)."""
+def row_from_run(run_id: str, benchmarks=None) -> dict[str, Any]:
+    """One result row of a training run, read back from MLflow (the same for fresh and skipped runs); its evals
+    averaged over `benchmarks` (names: the ones this call asked for), else over all it has."""
     run = tracking.client().get_run(run_id)
     m, t, p = run.data.metrics, run.data.tags, tracking.spec_values(run)  # a resumed run: its current fields
     k = int(p.get("sage.eval_k", "0") or 0) or None
     ev = tracking.load_eval(run_id)
-    before_avg, before_pass = eval_means(ev, "before", k)
-    after_avg, after_pass = eval_means(ev, "after", k)
+    before_avg, before_pass = eval_means(ev, "before", k, benchmarks)
+    after_avg, after_pass = eval_means(ev, "after", k, benchmarks)
     row: dict[str, Any] = {
         "variant": t.get("sage.variant") or t.get("mlflow.runName", run_id[:8]),
         "method": t.get("sage.method"),

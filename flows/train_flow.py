@@ -66,8 +66,8 @@ def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict
             logger.info("%s: spec %s already finished in MLflow run %s; skipping its training (force=true trains "
                         "again)", label, key, done.info.run_id)
             _link(done.info.run_id, done.info.experiment_id, "training")
-            _complete_evals(spec, done.info.run_id, label, benchmarks, evaluate_before, evaluate_after)
-            return {**row_from_run(done.info.run_id), "skipped": True}
+            names = _complete_evals(spec, done.info.run_id, label, benchmarks, evaluate_before, evaluate_after)
+            return {**row_from_run(done.info.run_id, names), "skipped": True}
     out = folder_for(experiment, label, spec, force)
     if not force and out != run_dir(experiment, label, spec):
         logger.warning("%s holds a run resumed there by hand with another spec (its spec.json); training spec %s in "
@@ -81,9 +81,9 @@ def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict
     _link(run_id, exp_id, "training")
     try:
         benches = resolve_benchmarks(spec, benchmarks)
-        previous = tracking.load_eval(run_id)
-        if evaluate_before and (previous is None or not (previous["when"] == "before").any()):
-            before = run_eval(spec.model, benches, spec, label=f"{label}-before", cache=True,
+        todo = missing_evals(tracking.load_eval(run_id), "before", benches, spec.eval_k)
+        if evaluate_before and todo:  # an attempt before this one may have evaluated other benchmarks, or another k
+            before = run_eval(spec.model, todo, spec, label=f"{label}-before", cache=True,
                               gguf_file=spec.gguf_file)
             tracking.log_eval(pd.DataFrame(before), "before", run_id)
         train = train_task
@@ -97,37 +97,47 @@ def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict
         tracking.finish_run(run_id, "FAILED")
         raise
     tracking.finish_run(run_id)
-    row = row_from_run(run_id)
+    row = row_from_run(run_id, list(benches))
     row["skipped"] = False
     _report(row, label)
     return row
 
 
 def _complete_evals(spec: RunSpec, run_id: str, label: str, benchmarks: dict[str, str] | None,
-                    evaluate_before: bool, evaluate_after: bool) -> None:
+                    evaluate_before: bool, evaluate_after: bool) -> list[str]:
     """The evaluations this call asks for that a finished run lacks (one trained by `sage train --mlflow`, or by
-    a flow run with evaluate_after=false), run now and logged into it: 'before' on the spec's model, 'after' on
-    the checkpoint the run uploaded."""
+    a flow run with evaluate_after=false, or evaluated on other benchmarks or at another k), run now and logged
+    into it: 'before' on the spec's model, 'after' on the checkpoint the run uploaded. Returns the benchmarks'
+    names (this call's, for its result row)."""
     previous = tracking.load_eval(run_id)
-    wanted = [when for when, on in (("before", evaluate_before), ("after", evaluate_after))
-              if on and (previous is None or not (previous["when"] == when).any())]
+    benches = resolve_benchmarks(spec, benchmarks)
+    wanted = {when: todo for when, on in (("before", evaluate_before), ("after", evaluate_after))
+              if on and (todo := missing_evals(previous, when, benches, spec.eval_k))}
     if not wanted:
-        return
+        return list(benches)
     from flows.eval_flow import resolve_model
 
-    get_run_logger().info("%s: MLflow run %s has no %s evaluation: evaluating now", label, run_id,
-                          " or ".join(wanted))
-    benches = resolve_benchmarks(spec, benchmarks)
-    for when in wanted:
+    get_run_logger().info("%s: MLflow run %s has no %s evaluation at k=%d of %s: evaluating now", label, run_id,
+                          " or ".join(wanted), spec.eval_k, sorted({b for t in wanted.values() for b in t}))
+    for when, todo in wanted.items():
         if when == "before":
-            rows = run_eval(spec.model, benches, spec, label=f"{label}-before", cache=True, gguf_file=spec.gguf_file)
+            rows = run_eval(spec.model, todo, spec, label=f"{label}-before", cache=True, gguf_file=spec.gguf_file)
         elif not tracking.has_artifact(run_id, "checkpoint"):
             get_run_logger().warning("%s: MLflow run %s uploaded no checkpoint/ to evaluate after training; "
                                      "force=true trains it again", label, run_id)
             continue
         else:
-            rows = run_eval(resolve_model(f"runs:/{run_id}")[0], benches, spec, label=f"{label}-after", cache=False)
+            rows = run_eval(resolve_model(f"runs:/{run_id}")[0], todo, spec, label=f"{label}-after", cache=False)
         tracking.log_eval(pd.DataFrame(rows), when, run_id)
+    return list(benches)
+
+
+def missing_evals(previous, when: str, benches: dict[str, Any], k: int) -> dict[str, Any]:
+    """The benchmarks of `benches` the run's eval table has no `when` row of at `k`."""
+    if previous is None or len(previous) == 0:
+        return benches
+    have = set(previous.loc[(previous["when"] == when) & (previous["k"] == k), "benchmark"].astype(str))
+    return {b: rows for b, rows in benches.items() if b not in have}
 
 
 def _report(row: dict[str, Any], label: str) -> None:

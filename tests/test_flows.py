@@ -336,6 +336,135 @@ def test_folder_for_reads_spec_json_as_sage_core_does(tmp_path, monkeypatch):
     assert common.folder_for("e", "l", s) == d and seen == [d]
 
 
+# the same no-hint accuracy for any model: training changes nothing, so a fair before/after pair shows no change
+_ACC = {"a": 0.2, "b": 0.6, "held": 0.2}
+
+
+@pytest.fixture
+def stubbed_train(tmp_path, monkeypatch):
+    """run_training against a real MLflow store, with training and evaluation stubbed: `train["crash"]` kills the
+    next attempt; `train["evals"]` records each evaluation's (model kind, benchmarks, k)."""
+    import logging
+
+    import flows.train_flow as tf
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    state: dict = {"crash": False, "evals": []}
+
+    def fake_eval(model_ref, benches, spec, label, cache, gguf_file=None):
+        state["evals"].append((label.rsplit("-", 1)[1], sorted(benches), spec.eval_k))
+        k = spec.eval_k
+        return [{"benchmark": b, "k": k, "avg_at_k": _ACC[b], "pass_at_k": 1 - (1 - _ACC[b]) ** k, "n_prompts": 4}
+                for b in benches]
+
+    class FakeTrain:
+        def with_options(self, **kw):
+            return self
+
+        def __call__(self, spec, out, run_id, label, launcher, code):
+            if state["crash"]:
+                raise RuntimeError("killed during training")
+            upload_final(Path(out), run_id)
+            return {"checkpoint_dir": str(Path(out) / "final")}
+
+    def upload_final(out: Path, run_id: str) -> None:
+        (out / "final").mkdir(parents=True, exist_ok=True)
+        (out / "final" / "config.json").write_text("{}")
+        tracking.log_checkpoint(out / "final", run_id)
+
+    monkeypatch.setattr(tf, "get_run_logger", lambda: logging.getLogger("test-flow"))
+    monkeypatch.setattr(tf, "run_eval", fake_eval)
+    monkeypatch.setattr(tf, "train_task", FakeTrain())
+    monkeypatch.setattr(tf, "resolve_benchmarks", lambda spec, b: {n: [] for n in (b or {"held": ""})})
+    monkeypatch.setattr(tf, "_link", lambda *a: None)
+    monkeypatch.setattr(tf, "_report", lambda *a: None)
+
+    def train(spec: RunSpec, benchmarks: dict[str, str] | None) -> dict:
+        return tf.run_training(spec, experiment="t-pair", label="grpo", benchmarks=benchmarks, evaluate_before=True,
+                               evaluate_after=True, force=False, launcher="local", parent_run_id=None, variant=None,
+                               preset=None)
+
+    state["train"], state["upload_final"] = train, upload_final
+    return state
+
+
+def _pairs(run_id: str) -> list[tuple[str, str, int]]:
+    ev = tracking.load_eval(run_id)
+    return sorted(zip(ev["when"], ev["benchmark"], ev["k"].astype(int), strict=True))
+
+
+def _unchanged(row: dict) -> None:
+    """The stub's models all score the same: a before/after pair over the same benchmarks at the same k is equal."""
+    assert row["avg_at_k_before"] == pytest.approx(row["avg_at_k_after"])
+    assert row["pass_at_k_before"] == pytest.approx(row["pass_at_k_after"])
+
+
+def test_a_rerun_evaluates_before_on_the_benchmarks_its_killed_attempt_did_not(stubbed_train):
+    """Benchmarks are not part of the spec: a re-run with more of them resumes the killed attempt's run, and scores
+    the starting model on the new ones too (not 'after' on {a, b} against 'before' on {a} only)."""
+    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    stubbed_train["crash"] = True
+    with pytest.raises(RuntimeError, match="killed"):
+        stubbed_train["train"](spec, {"a": "a.jsonl"})
+    stubbed_train["crash"] = False
+    row = stubbed_train["train"](spec, {"a": "a.jsonl", "b": "b.jsonl"})
+    assert stubbed_train["evals"] == [("before", ["a"], 2), ("before", ["b"], 2), ("after", ["a", "b"], 2)]
+    assert _pairs(row["run_id"]) == [(w, b, 2) for w in ("after", "before") for b in ("a", "b")]
+    assert row["avg_at_k_after"] == pytest.approx((_ACC["a"] + _ACC["b"]) / 2)
+    _unchanged(row)
+
+
+def test_a_finished_run_resumed_by_hand_at_another_eval_k_is_scored_before_at_that_k(stubbed_train):
+    """`sage train --output-dir <the flow's folder> --mlflow --set eval_k=8` finishes the flow's run at k=8; the
+    flow then evaluates the starting model at k=8 too, and its row pairs k=8 with k=8 (not the k=2 'before')."""
+    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    stubbed_train["crash"] = True
+    with pytest.raises(RuntimeError, match="killed"):
+        stubbed_train["train"](spec, None)
+    out = common.run_dir("t-pair", "grpo", spec)
+    at8 = spec.model_copy(update={"eval_k": 8})
+    rid, resumed = tracking.resume_or_create_run(at8, "train", out, experiment="t-pair")  # what `sage train` does
+    assert resumed
+    stubbed_train["upload_final"](out, rid)
+    tracking.finish_run(rid)
+    stubbed_train["crash"] = False
+    row = stubbed_train["train"](at8, None)
+    assert row["run_id"] == rid and row["skipped"] and row["k"] == 8
+    assert stubbed_train["evals"] == [("before", ["held"], 2), ("before", ["held"], 8), ("after", ["held"], 8)]
+    assert _pairs(rid) == [("after", "held", 8), ("before", "held", 2), ("before", "held", 8)]
+    assert row["pass_at_k_after"] == pytest.approx(1 - 0.8 ** 8)
+    _unchanged(row)
+
+
+def test_a_finished_run_asked_for_other_benchmarks_is_evaluated_on_them(stubbed_train):
+    """A finished run called again with other benchmarks is not trained again but evaluated on them, before and
+    after (not reported with the earlier benchmarks' numbers only)."""
+    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    first = stubbed_train["train"](spec, {"a": "a.jsonl"})
+    again = stubbed_train["train"](spec, {"b": "b.jsonl"})
+    assert again["skipped"] and again["run_id"] == first["run_id"]
+    assert stubbed_train["evals"][2:] == [("before", ["b"], 2), ("after", ["b"], 2)]
+    assert _pairs(first["run_id"]) == [(w, b, 2) for w in ("after", "before") for b in ("a", "b")]
+    _unchanged(again)
+    assert again["avg_at_k_after"] == pytest.approx(_ACC["b"])  # this call's benchmark, not a and b averaged
+    assert stubbed_train["train"](spec, {"b": "b.jsonl"})["skipped"] and len(stubbed_train["evals"]) == 4
+
+
+def test_eval_means_pair_the_same_benchmarks_at_the_same_k():
+    """A run's table may hold rows of other k, or 'after' rows of benchmarks with no 'before' (or the reverse):
+    each side's mean is taken at k, over the benchmarks that have both."""
+    ev = pd.DataFrame([("before", "a", 2, 0.1, 0.2), ("before", "a", 8, 0.3, 0.4), ("after", "a", 8, 0.5, 0.6),
+                       ("after", "b", 8, 0.9, 1.0)], columns=["when", "benchmark", "k", "avg_at_k", "pass_at_k"])
+    assert common.eval_means(ev, "before", 8) == pytest.approx((0.3, 0.4))
+    assert common.eval_means(ev, "after", 8) == pytest.approx((0.5, 0.6))
+    only_after = ev[ev["when"] == "after"]  # nothing to pair with: every benchmark counts
+    assert common.eval_means(only_after, "after", 8) == pytest.approx((0.7, 0.8))
+    assert all(math.isnan(v) for v in common.eval_means(only_after, "before", 8))
+    assert common.eval_means(ev, "after", 8, ["b"]) == pytest.approx((0.9, 1.0))  # the benchmarks asked for
+    assert common.eval_means(ev, "after", 8, ["c"]) == pytest.approx((0.5, 0.6))  # none of them: all it has
+
+
 # ----------------------------------------------------------------------------------------------- flows (harness)
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory, prefect_server):
