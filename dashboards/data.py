@@ -155,7 +155,9 @@ def spec_params(params: dict[str, str], tags: dict[str, str]) -> dict[str, str]:
 
 
 RUN_COLUMNS = ["run_id", "run_name", "experiment_id", "status", "start_time", "end_time", "kind", "method",
-               "hint_source", "model", "parent_run_id", "artifact_uri", "num_generations", "params", "metrics"]
+               "hint_source", "model", "parent_run_id", "artifact_uri", "num_generations", "params", "metrics",
+               "last_step"]
+LAST_STEP_TAG = "sage.last_step"  # sage_core.tracking.LAST_STEP_TAG
 
 
 @st.cache_data(ttl=SEARCH_TTL, show_spinner=False)
@@ -186,6 +188,9 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
             "model": t.get("sage.model", p.get("sage.model", "")), "parent_run_id": t.get("mlflow.parentRunId", ""),
             "artifact_uri": r.info.artifact_uri, "num_generations": int(ng) if ng and str(ng).isdigit() else None,
             "params": p, "metrics": dict(r.data.metrics),
+            # an ended run's last step (steps past it: a killed attempt's, resumed with a lower max_steps)
+            "last_step": int(t[LAST_STEP_TAG]) if r.info.status != "RUNNING" and
+            str(t.get(LAST_STEP_TAG, "")).isdigit() else None,
         })
     df = pd.DataFrame(rows, columns=RUN_COLUMNS)
     for col in ("start_time", "end_time"):  # a column of NaT only (every run still running) is tz-aware too
@@ -219,14 +224,19 @@ def _history_done(uri: str, run_id: str, keys: tuple[str, ...], status: str, end
     return _history(uri, run_id, keys)
 
 
-def metric_history(uri: str, run_id: str, keys, status: str, end_time=None) -> pd.DataFrame:
+def metric_history(uri: str, run_id: str, keys, status: str, end_time=None, last_step=None) -> pd.DataFrame:
     """Long frame run_id, key, step, value for the given metric keys. An ended run's history is read once per end:
     `end_time` (the runs frame's) is in the cache key, so a run resumed and ended again with the same status
-    (a FINISHED run trained on with more max_steps) is read again."""
+    (a FINISHED run trained on with more max_steps) is read again. `last_step` (the runs frame's) leaves out the
+    points past it: a killed attempt's steps that the run, resumed with a lower max_steps, never trained again."""
     keys = tuple(sorted(set(keys)))
     if status == "RUNNING" or status == "SCHEDULED":
-        return _history_live(uri, run_id, keys)
-    return _history_done(uri, run_id, keys, status, _end_key(end_time))
+        df = _history_live(uri, run_id, keys)
+    else:
+        df = _history_done(uri, run_id, keys, status, _end_key(end_time))
+    if last_step is None or pd.isna(last_step):
+        return df
+    return df[df["step"] <= int(last_step)].reset_index(drop=True)
 
 
 def _end_key(end_time) -> str:
@@ -252,8 +262,17 @@ def _download(uri: str, run_id: str, artifact_path: str) -> Path:
 
     dst = Path(tempfile.gettempdir()) / "sage-dashboard" / run_id
     dst.mkdir(parents=True, exist_ok=True)
-    return Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=artifact_path, dst_path=str(dst),
-                                                    tracking_uri=uri))
+    final = dst / artifact_path
+    # downloaded into a folder of this call's own, then each file renamed into place: MLflow writes a download in
+    # place, and another session (or this one's other cached reader) may be reading or downloading the same files
+    with tempfile.TemporaryDirectory(dir=dst, prefix=".dl-") as tmp:
+        got = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=artifact_path, dst_path=tmp,
+                                                       tracking_uri=uri))
+        for f in [got] if got.is_file() else [p for p in got.rglob("*") if p.is_file()]:
+            target = final if got.is_file() else final / f.relative_to(got)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(f, target)
+    return final
 
 
 def _list_tracker(uri: str, run_id: str, artifact_uri: str) -> list[str]:
@@ -637,5 +656,8 @@ def pick_run_with_tracker(ctx: Context, key: str) -> tuple[str, pd.DataFrame, in
 
 def tracker_for(ctx: Context, run_id: str) -> tuple[pd.DataFrame, int]:
     r = ctx.run(run_id)
-    n = len(tracker_files(ctx.uri, run_id, r["artifact_uri"]))
+    names = tracker_files(ctx.uri, run_id, r["artifact_uri"])
+    last = r.get("last_step")  # files past an ended run's last step (sorted last): [:n] leaves them out
+    n = len(names) if last is None or pd.isna(last) else sum(int(TRACKER_RE.match(x).group(1)) <= last
+                                                             for x in names)
     return tracker_frame(ctx.uri, run_id, r["artifact_uri"], n, _end_key(r.get("end_time"))), n

@@ -53,6 +53,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXPERIMENT = "sage"
 RUN_ID_FILE = "mlflow_run_id"
 COMPLETE_TAG = "sage.complete"
+LAST_STEP_TAG = "sage.last_step"  # the step the run's model was trained to (set when training ends)
 RESUMED_PREFIX = "sage.resumed."  # + field: the value of a field changed when the run was reopened
 SPEC_TAGS = ("sage.method", "sage.hint_source", "sage.model", "sage.spec_key")  # from the spec
 EVAL_ARTIFACT = "eval/eval.parquet"
@@ -195,6 +196,8 @@ def open_run(spec: RunSpec, kind: str, experiment: str = DEFAULT_EXPERIMENT, run
         if run is not None and run.info.lifecycle_stage != "deleted":
             c.update_run(run_id, status="RUNNING")
             c.set_tag(run_id, COMPLETE_TAG, "false")  # complete again only when this attempt finishes
+            if LAST_STEP_TAG in run.data.tags:  # set again when this attempt ends (killed: all its steps count)
+                c.delete_tag(run_id, LAST_STEP_TAG)
             frid = prefect_flow_run_id()
             if frid:
                 c.set_tag(run_id, "prefect.flow_run_id", frid)
@@ -673,6 +676,9 @@ class MlflowTrackingCallback(TrainerCallback):
         opened is finished. (The last checkpoint-N is not that model where a rollout budget stopped training
         between saves, nor for LoRA, whose checkpoints hold the adapter.)"""
         self._setup()
+        # the run's last step: metric points and tracker/ files past it are a killed attempt's, never trained again
+        # (resumed with a lower max_steps or rollout_budget); MLflow cannot delete them, the dashboard leaves them out
+        client().set_tag(self.run_id, LAST_STEP_TAG, str(global_step))
         if self.log_checkpoint and Path(final).is_dir():
             log_checkpoint(final, self.run_id)
             self.checkpoint_logged = Path(final)

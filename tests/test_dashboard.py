@@ -168,6 +168,72 @@ def test_a_run_resumed_and_ended_again_is_read_again(tmp_path):
     assert list(D.metric_history(uri, rid, ["reward"], again["status"], again["end_time"])["step"]) == [1, 2]
 
 
+def test_a_download_never_shows_a_partly_written_file(monkeypatch, tmp_path):
+    """The artifacts of a store not readable in place are downloaded into $TMP/sage-dashboard/<run_id>/, a folder
+    every session shares: a download (another session's, or another cached reader's) must never rewrite in place
+    files a reader is reading. Here a reader reads the folder halfway through every file the download copies."""
+    import tempfile
+
+    from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
+
+    from dashboards import data as D
+
+    try:
+        from tests.dashboard_fixtures import _experiment, _store, log_run
+    except ImportError:
+        from dashboard_fixtures import _experiment, _store, log_run
+
+    uri, client = _store(tmp_path / "store")
+    rid = log_run(client, _experiment(client, tmp_path / "store", "dl"), name="dl", method="sage", steps=3,
+                  n_prompts=4)["run_id"]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    folder = D._download(uri, rid, "tracker")  # what a first reader downloaded
+    steps = lambda: set(D._read_tables(sorted(folder.glob("step_*.parquet")), ["step"]).column("step").to_pylist())
+    assert steps() == {1, 2, 3}
+
+    copy, reads = LocalArtifactRepository._download_file, []
+
+    def copy_in_two_halves(self, remote_file_path, local_path):
+        data = Path(self.artifact_dir, remote_file_path).read_bytes()
+        Path(local_path).write_bytes(data[:len(data) // 2])
+        try:
+            reads.append(steps())
+        except Exception as e:  # noqa: BLE001 - what the reader saw, asserted below
+            reads.append(f"{type(e).__name__}: {e}")
+        copy(self, remote_file_path, local_path)
+
+    monkeypatch.setattr(LocalArtifactRepository, "_download_file", copy_in_two_halves)
+    assert D._download(uri, rid, "tracker") == folder  # a second download, while the first reader reads
+    assert reads == [{1, 2, 3}] * 3
+    assert steps() == {1, 2, 3} and [p.name for p in folder.parent.iterdir()] == ["tracker"]  # nothing left over
+
+
+def test_pages_stop_at_the_last_step_of_a_run_resumed_with_fewer_steps(monkeypatch, tmp_path):
+    """A run killed after step 3, resumed to end at step 2 (a lower max_steps; the tag `sage.last_step`): MLflow
+    keeps the killed attempt's step-3 metrics and tracker file, which the pages leave out."""
+    from dashboards import data as D
+
+    try:
+        from tests.dashboard_fixtures import _experiment, _store, log_run
+    except ImportError:
+        from dashboard_fixtures import _experiment, _store, log_run
+
+    uri, client = _store(tmp_path)
+    exp = _experiment(client, tmp_path, "lower")
+    run = log_run(client, exp, name="lower", method="sage", steps=3, n_prompts=8, seed=4)
+    client.set_tag(run["run_id"], D.LAST_STEP_TAG, "2")
+    collapsed = run["frame"].groupby("step")["base_state"].apply(lambda x: (x != "mixed").mean())
+    assert f"{collapsed[:2].mean():.3f}" != f"{collapsed.mean():.3f}"  # step 3 would show
+
+    at = _ok(_app(monkeypatch, uri).run())
+    _select_runs(at, exp, [run["run_id"]])
+    _ok(at.switch_page(PAGES["gate"]).run())
+    assert _metrics(at)["Collapsed before hints"] == f"{collapsed[:2].mean():.3f}"  # the metric points
+    _ok(at.switch_page(PAGES["levels"]).run())
+    assert _metrics(at)["Steps"] == "2"  # the tracker files
+
+
 # ------------------------------------------------------------------------------------------------ a real run
 
 
@@ -193,6 +259,9 @@ def test_real_run_gate_page_shows_the_logged_means(monkeypatch, real_store):
               for k in ("sage/frac_collapsed", "sage/frac_all_zero", "sage/frac_all_one", "sage/frac_rescued",
                         "sage/frac_open", "sage/adv_energy")}
     assert all(len(v) == 2 for v in logged.values()), logged  # max_steps=2: one value per step
+    from dashboards.data import LAST_STEP_TAG  # set by the callback when training ends, read by the pages
+
+    assert c.get_run(rid).data.tags[LAST_STEP_TAG] == str(real_store["global_step"])
 
     at = _ok(_app(monkeypatch, real_store["uri"]).run())
     _ok(at.switch_page(PAGES["gate"]).run())
@@ -395,6 +464,30 @@ def test_variants_page_compares_the_study(monkeypatch, dashboard_store):
     spec = charts[1].proto.spec
     for label in ("GRPO", "SAGE-LIGHT", "SAGE (online)", "SAGE (fixed)", "SAGE (teacher)"):
         assert label in spec
+
+
+def test_variants_eval_table_has_a_row_per_k(monkeypatch, tmp_path):
+    """A run evaluated again with another eval_k has both k in eval/eval.parquet: one row each, never their mean."""
+    try:
+        from tests.dashboard_fixtures import _experiment, _store, log_run
+    except ImportError:
+        from dashboard_fixtures import _experiment, _store, log_run
+
+    uri, client = _store(tmp_path)
+    exp = _experiment(client, tmp_path, "evalk")
+    rid = log_run(client, exp, name="grpo", method="grpo", steps=2, n_prompts=4, tracker=False)["run_id"]
+    ev = pd.DataFrame({"benchmark": "synthetic-test", "when": ["before", "after", "before", "after"],
+                       "k": [4, 4, 8, 8], "avg_at_k": [0.3, 0.4, 0.5, 0.6], "pass_at_k": [0.5, 0.6, 0.7, 0.8],
+                       "n_prompts": 32})
+    (tmp_path / "eval").mkdir()
+    ev.to_parquet(tmp_path / "eval" / "eval.parquet", index=False)
+    client.log_artifact(rid, str(tmp_path / "eval" / "eval.parquet"), "eval")
+    at = _ok(_app(monkeypatch, uri).run())
+    _select_runs(at, exp, [rid])
+    _ok(at.switch_page(PAGES["variants"]).run())
+    table = _frame(at, "after")
+    assert list(zip(table["k"], table["variant"], table["before"], table["after"])) == [
+        (4, "GRPO", 0.3, 0.4), (8, "GRPO", 0.5, 0.6)]
 
 
 def test_variants_page_shows_a_study_over_seeds(monkeypatch, tmp_path):

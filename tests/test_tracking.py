@@ -242,6 +242,59 @@ def test_resumed_callback_uploads_again_the_steps_trained_again(store, tmp_path)
     assert pd.read_parquet(got).prompt_id.tolist() == ["resumed"]
 
 
+def test_a_run_resumed_with_fewer_steps_ends_at_its_last_step(store, tmp_path):
+    """Killed after step 3, resumed from checkpoint-1 with max_steps=2: MLflow keeps the killed attempt's step-3
+    metric point and tracker file (it cannot delete them); the tag `sage.last_step`, set when training ends, says
+    where the run ends, and the dashboard's curves and tracker frame stop there. A reopened run has no last step
+    until that attempt ends."""
+    from dashboards import data as D
+
+    out, exp = tmp_path / "train", "t-last-step"
+    tdir = out / "tracker"
+    tdir.mkdir(parents=True)
+    args, ctl = SimpleNamespace(output_dir=str(out)), TrainerControl()
+    rid, _ = tracking.resume_or_create_run(RunSpec(max_steps=4), "train", out, experiment=exp)
+    cb = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
+    cb.on_train_begin(args, _state(0), ctl)
+    for step in (1, 2, 3):
+        pd.DataFrame({"step": [step], "prompt_id": ["killed"]}).to_parquet(tdir / f"step_{step:06d}.parquet")
+        cb.on_log(args, _state(step), ctl, logs={"reward": 0.0})
+    tracking.finish_run(rid, "KILLED")
+    for step in (2, 3):  # resumed from checkpoint-1: the tracker discards the later steps' files
+        (tdir / f"step_{step:06d}.parquet").unlink()
+    assert tracking.resume_or_create_run(RunSpec(max_steps=2), "train", out, experiment=exp) == (rid, True)
+    resumed = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
+    resumed.on_train_begin(args, _state(1), ctl)
+    pd.DataFrame({"step": [2], "prompt_id": ["resumed"]}).to_parquet(tdir / "step_000002.parquet")
+    resumed.on_log(args, _state(2), ctl, logs={"reward": 1.0})
+    resumed.on_train_end(args, _state(2), ctl)
+    resumed.log_final_model(out / "final", 2)
+    tracking.finish_run(rid)
+
+    c = tracking.client()
+    assert sorted({m.step for m in c.get_metric_history(rid, "reward")}) == [1, 2, 3]
+    assert len(c.list_artifacts(rid, "tracker")) == 3
+    assert c.get_run(rid).data.tags[tracking.LAST_STEP_TAG] == "2"
+    assert D.LAST_STEP_TAG == tracking.LAST_STEP_TAG  # the dashboard reads runs without importing sage_core
+
+    uri, exp_id = tracking.tracking_uri(), c.get_run(rid).info.experiment_id
+
+    def shown() -> tuple[list[int], list[str]]:
+        D.runs.clear()
+        runs = D.runs(uri, exp_id)
+        row = runs.set_index("run_id").loc[rid]
+        hist = D.metric_history(uri, rid, ["reward"], row["status"], row["end_time"], row["last_step"])
+        frame, _ = D.tracker_for(D.Context(uri, exp_id, exp, runs, [rid]), rid)
+        return list(hist["step"]), list(frame["prompt_id"])
+
+    assert shown() == ([1, 2], ["killed", "resumed"])
+    # reopened (trained on with more max_steps) and killed again: every step it logged counts
+    tracking.resume_or_create_run(RunSpec(max_steps=4), "train", out, experiment=exp)
+    assert tracking.LAST_STEP_TAG not in c.get_run(rid).data.tags
+    tracking.finish_run(rid, "KILLED")
+    assert shown() == ([1, 2, 3], ["killed", "resumed", "killed"])
+
+
 def test_callback_logs_the_prompts_left_out_for_length(store, tmp_path):
     out = tmp_path / "train"
     out.mkdir()

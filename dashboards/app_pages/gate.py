@@ -23,7 +23,8 @@ if not picked:
 keys = D.GATE_METRICS + ["sage/frac_collapsed"]
 parts = []
 for r in picked:
-    h = D.metric_history(ctx.uri, r, keys, ctx.run(r)["status"], ctx.run(r)["end_time"])
+    h = D.metric_history(ctx.uri, r, keys, ctx.run(r)["status"], ctx.run(r)["end_time"],
+                          ctx.run(r)["last_step"])
     if not h.empty:
         parts.append(h.assign(run=ctx.label(r)))
 hist = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["run_id", "key", "step", "value"])
