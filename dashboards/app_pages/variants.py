@@ -99,7 +99,7 @@ for _, c in children.iterrows():
     keys = {k for k in metrics if k != NO_HINT}
     if NO_HINT in metrics:
         keys |= {"sage/base_pass_rate", "reward"}
-    h = D.metric_history(ctx.uri, c["run_id"], keys, c["status"], c["end_time"])
+    h = D.metric_history(ctx.uri, c["run_id"], keys, c["status"], c["end_time"], c.get("last_step"))
     if h.empty:
         continue
     h = h.assign(variant=c["variant"])
@@ -150,8 +150,10 @@ if evals:
         row=alt.Row("benchmark:N", title=None),
         tooltip=["variant", "benchmark", "when", "k", alt.Tooltip(f"{stat}:Q", format=".3f"), "n_prompts"],
     ).properties(width=90, height=160), key="variants_eval")
-    table = ev.pivot_table(index=["benchmark", "variant"], columns="when", values=stat, observed=True).reset_index()
-    table = table.sort_values(["benchmark", "variant"], key=lambda c: c.map(D.variant_rank) if c.name == "variant"
-                              else c, kind="stable")
+    # one row per k: a run evaluated again with another eval_k has both, and their mean is no avg@k of either
+    index = ["benchmark", "k", "variant"] if "k" in ev.columns else ["benchmark", "variant"]
+    table = ev.pivot_table(index=index, columns="when", values=stat, observed=True).reset_index()
+    table = table.sort_values(index, key=lambda c: c.map(D.variant_rank) if c.name == "variant" else c,
+                              kind="stable")
     table.columns.name = None
     st.dataframe(table, hide_index=True, key="variants_eval_table")
