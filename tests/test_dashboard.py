@@ -488,6 +488,8 @@ def test_variants_eval_table_has_a_row_per_k(monkeypatch, tmp_path):
     table = _frame(at, "after")
     assert list(zip(table["k"], table["variant"], table["before"], table["after"])) == [
         (4, "GRPO", 0.3, 0.4), (8, "GRPO", 0.5, 0.6)]
+    pick = at.selectbox(key="variants_eval_k")  # the bar chart shows one k (two would stack into one bar)
+    assert pick.options == ["4", "8"] and pick.value == 8
 
 
 def test_variants_page_shows_a_study_over_seeds(monkeypatch, tmp_path):

@@ -141,7 +141,12 @@ if evals:
     ev = pd.concat(evals, ignore_index=True)
     ev["when"] = pd.Categorical(ev["when"].astype(str), ["before", "after"], ordered=True)
     stat = st.radio("Statistic", ["avg_at_k", "pass_at_k"], horizontal=True, key="variants_eval_stat")
-    st.altair_chart(alt.Chart(ev).mark_bar().encode(
+    ks = sorted(int(k) for k in ev["k"].dropna().unique()) if "k" in ev.columns else []
+    bars = ev
+    if len(ks) > 1:  # runs evaluated at several k (one bar each would be stacked): the chart shows one k
+        pick = st.selectbox("k (samples per prompt)", ks, index=len(ks) - 1, key="variants_eval_k")
+        bars = ev[ev["k"] == pick]
+    st.altair_chart(alt.Chart(bars).mark_bar().encode(
         x=alt.X("when:N", sort=["before", "after"], title=None),
         y=alt.Y(f"{stat}:Q", scale=alt.Scale(domain=[0, 1])),
         color=alt.condition(alt.datum.when == "after", alt.Color("variant:N", scale=D.variant_color(order),
