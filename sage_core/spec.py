@@ -172,7 +172,12 @@ def absolute_path(value):
     if not isinstance(value, str) or not value or value in BUILT_IN_NAMES or "://" in value:
         return value
     p = Path(value).expanduser()
-    return os.path.abspath(p) if p.exists() else value
+    if p.exists():
+        return os.path.abspath(p)
+    folder, colon, config = value.rpartition(":")  # a local dataset folder with its configuration (NAME:CONFIG)
+    if colon and folder and Path(folder).expanduser().is_dir():
+        return f"{os.path.abspath(Path(folder).expanduser())}:{config}"
+    return value
 
 
 def with_absolute_paths(spec: RunSpec) -> RunSpec:
@@ -202,9 +207,9 @@ def check_run_folder(spec: RunSpec, out: str | Path) -> None:
         mine = [n for n in ("README.md", "summary.json") if (out / n).exists()]
         # and a spec.json no run wrote (a run writes every field: a user's --spec file, say) that is not this spec
         recorded = recorded_fields(out)
-        if (out / "spec.json").exists() and (recorded is None or set(recorded) != set(RunSpec.model_fields)) \
-                and spec_changes(spec, out):
-            mine.append("spec.json (not one a run wrote: a --spec file?)")
+        if recorded is not None and set(recorded) != set(RunSpec.model_fields) and (
+                changed := file_changes(spec, recorded)):
+            mine.append(f"spec.json (not one a run wrote: a --spec file? this spec differs: {'; '.join(changed)})")
         if mine:
             raise RunFolderTaken(f"{out} is not a run's folder and holds {', '.join(mine)}, which training writes "
                                  "over: pick another output dir")
@@ -269,9 +274,19 @@ def spec_changes(spec: RunSpec, out: str | Path) -> list[str]:
     if (old := recorded_fields(out)) is None:
         return []
     new = json.loads(spec.model_dump_json())
-
-    def same(k, was):  # a path recorded relative (before paths were made absolute): the file it names from here
-        return was == new[k] or k in PATH_FIELDS and absolute_path(was) == new[k]
-
     return [f"{k} {old.get(k, f.default)!r} -> {new[k]!r}" for k, f in RunSpec.model_fields.items()
-            if k not in RESUMABLE_FIELDS and not same(k, old.get(k, f.default))]
+            if k not in RESUMABLE_FIELDS and _differs(k, old.get(k, f.default), new[k])]
+
+
+def file_changes(spec: RunSpec, fields: dict) -> list[str]:
+    """The fields a spec file names (a user's, not a run's: it may name only some) that `spec` does not have at the
+    file's values, resumable ones included, as `field file -> spec`."""
+    new = json.loads(spec.model_dump_json())
+    return [f"{k} {v!r} -> {new[k]!r}" if k in new else f"{k} {v!r} (no such field)" for k, v in fields.items()
+            if k not in new or _differs(k, v, new[k])]
+
+
+def _differs(field: str, was, now) -> bool:
+    """Whether a recorded value is not the spec's; a path recorded relative (before paths were made absolute) is
+    the file it names from here."""
+    return was != now and not (field in PATH_FIELDS and absolute_path(was) == now)

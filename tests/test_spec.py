@@ -58,6 +58,13 @@ def test_a_users_spec_file_in_the_output_folder_is_not_replaced_by_another_spec(
     with pytest.raises(RunFolderTaken, match=r"not a run's folder and holds spec.json \(not one a run wrote"):
         check_run_folder(RunSpec(method="grpo", max_steps=5), tmp_path)
     assert (tmp_path / "spec.json").read_text() == mine
+    with pytest.raises(RunFolderTaken, match=r"this spec differs: max_steps 5 -> 9"):  # resumable for runs only
+        check_run_folder(RunSpec(method="sage", max_steps=9), tmp_path)
+    # the fields it does not name come from the preset, not from RunSpec's defaults: that is no change
+    from sage_core.presets import PRESETS
+
+    for name in PRESETS:
+        check_run_folder(RunSpec(**{**PRESETS[name], "method": "sage", "max_steps": 5}), tmp_path)
     (tmp_path / "spec.json").write_text(RunSpec(method="sage").model_dump_json())  # a run's, failed before step 1
     check_run_folder(RunSpec(method="grpo"), tmp_path)
 
@@ -126,6 +133,9 @@ def test_relative_paths_are_made_absolute_where_the_spec_is_built(tmp_path, monk
     assert (spec.teacher, spec.data, spec.model) == (str(a / "hints.jsonl"), str(a / "rows.jsonl"), "tiny")
     assert build_spec(None, None, ["teacher=http://h:8000/v1", "data=org/set"]).teacher == "http://h:8000/v1"
     assert build_spec(None, None, ["data=org/set"]).data == "org/set"  # no such local path: a hub name
+    (a / "ds").mkdir()  # a local dataset folder with a configuration
+    assert build_spec(None, None, ["data=ds:main"]).data == f"{a}/ds:main"
+    assert build_spec(None, None, ["data=openai/gsm8k:main"]).data == "openai/gsm8k:main"
     run = tmp_path / "run"
     (run / "tracker").mkdir(parents=True)
     (run / "tracker" / "step_000001.parquet").write_bytes(b"")
