@@ -343,12 +343,13 @@ def _get_nested(record: Mapping[str, Any], dotted: str) -> Any:
 
 
 def _content_text(content: Any) -> str:
-    """A message's content as text: a string, or OpenAI-style parts [{"type": "text", "text": ...}] joined."""
+    """A message's content as text: a string, or OpenAI-style parts [{"type": "text", "text": ...}] joined by new
+    lines (as vLLM's chat renderer joins them)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content and all(isinstance(p, Mapping) and p.get("type") == "text"
                                                      and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return "\n".join(p["text"] for p in content)
     raise TypeError(f"message content must be text, got {content!r}"[:120])
 
 

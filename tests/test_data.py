@@ -318,9 +318,9 @@ def test_eval_rows_from_a_file_are_the_rows_after_the_training_rows(tmp_path):
 
 def test_chat_content_given_as_text_parts_is_their_text(tmp_path):
     """OpenAI-style content parts ([{"type": "text", "text": ...}]) are the text they hold, not the list's repr."""
-    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 2 ?"}]
+    parts = [{"type": "text", "text": "Solve:"}, {"type": "text", "text": "2 + 2 ?"}]
     row = data.normalise_records([{"prompt": [{"role": "user", "content": parts}], "answer": 4}])[0]
-    assert row["prompt"][-1] == {"role": "user", "content": "What is 2 + 2 ?"} and row["problem"] == "What is 2 + 2 ?"
+    assert row["prompt"][-1] == {"role": "user", "content": "Solve:\n2 + 2 ?"} and row["problem"] == "Solve:\n2 + 2 ?"
 
 
 def test_held_out_rows_of_a_data_set_trained_on_its_test_split_are_not_its_training_rows(tmp_path):
