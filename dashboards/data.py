@@ -160,6 +160,22 @@ RUN_COLUMNS = ["run_id", "run_name", "experiment_id", "status", "start_time", "e
 LAST_STEP_TAG = "sage.last_step"  # sage_core.tracking.LAST_STEP_TAG
 
 
+def _metrics_until(c, r, last: int | None) -> dict:
+    """A run's latest metric values, as of step `last` where it has one: MLflow's latest is the highest step's, a
+    killed attempt's point past the run's end (read again from the history only for those keys)."""
+    metrics = dict(r.data.metrics)
+    if last is None:
+        return metrics
+    for m in getattr(r.data, "_metric_objs", None) or []:  # each key's latest point, with its step
+        if m.step > last:
+            kept = [x for x in c.get_metric_history(r.info.run_id, m.key) if x.step <= last]
+            if kept:
+                metrics[m.key] = max(kept, key=lambda x: (x.step, x.timestamp)).value
+            else:
+                metrics.pop(m.key, None)
+    return metrics
+
+
 @st.cache_data(ttl=SEARCH_TTL, show_spinner=False)
 def runs(uri: str, experiment_id: str) -> pd.DataFrame:
     """All active runs of an experiment, newest first, with the SAGE tags flattened."""
@@ -177,6 +193,9 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
         t, p = r.data.tags, spec_params(r.data.params, r.data.tags)
         ng = p.get("sage.num_generations")
         study = t.get("sage.kind") == "study"  # its method tags are its base spec's; its variants are its children
+        # an ended run's last step (steps past it: a killed attempt's, resumed with a lower max_steps)
+        last = int(t[LAST_STEP_TAG]) if r.info.status != "RUNNING" and str(t.get(LAST_STEP_TAG, "")).isdigit() \
+            else None
         rows.append({
             "run_id": r.info.run_id, "run_name": r.info.run_name or t.get("mlflow.runName", r.info.run_id[:8]),
             "experiment_id": r.info.experiment_id, "status": r.info.status,
@@ -187,10 +206,8 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
             "hint_source": "" if study else t.get("sage.hint_source", p.get("sage.hint_source", "")),
             "model": t.get("sage.model", p.get("sage.model", "")), "parent_run_id": t.get("mlflow.parentRunId", ""),
             "artifact_uri": r.info.artifact_uri, "num_generations": int(ng) if ng and str(ng).isdigit() else None,
-            "params": p, "metrics": dict(r.data.metrics),
-            # an ended run's last step (steps past it: a killed attempt's, resumed with a lower max_steps)
-            "last_step": int(t[LAST_STEP_TAG]) if r.info.status != "RUNNING" and
-            str(t.get(LAST_STEP_TAG, "")).isdigit() else None,
+            "params": p, "metrics": _metrics_until(c, r, last),
+            "last_step": last,
         })
     df = pd.DataFrame(rows, columns=RUN_COLUMNS)
     for col in ("start_time", "end_time"):  # a column of NaT only (every run still running) is tz-aware too

@@ -288,6 +288,9 @@ def test_a_run_resumed_with_fewer_steps_ends_at_its_last_step(store, tmp_path):
         return list(hist["step"]), list(frame["prompt_id"])
 
     assert shown() == ([1, 2], ["killed", "resumed"])
+    # the runs page's latest values are the run's last step's (MLflow's latest is the killed attempt's step 3)
+    assert c.get_run(rid).data.metrics["reward"] == 0.0
+    assert D.runs(uri, exp_id).set_index("run_id").loc[rid, "metrics"]["reward"] == 1.0
     # reopened (trained on with more max_steps) and killed again: every step it logged counts
     tracking.resume_or_create_run(RunSpec(max_steps=4), "train", out, experiment=exp)
     assert tracking.LAST_STEP_TAG not in c.get_run(rid).data.tags
