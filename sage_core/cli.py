@@ -436,7 +436,9 @@ def cmd_hints(args: argparse.Namespace) -> int:
         print(f"{lv:>5} {c['written']:>8} {c['leaked']:>7} {c['failed']:>7}")
     failed, leaked = (sum(c[k] for c in counts.values()) for k in ("failed", "leaked"))
     if failed:  # the teacher gave no answer: keep what was written, and --out (a good file with --force) as it was
-        print(f"sage hints: {failed} of {len(reqs)} hints failed (the teacher gave no answer); {out} was not "
+        print(f"sage hints: {failed} of {len(reqs)} hints failed (the teacher gave no answer, or a request did not "
+              "fit its context: the warnings above say which; the second needs a larger context or a lower "
+              f"hint_max_tokens, not another try); {out} was not "
               f"written, the {len(done)} hints written" + (f" and the {len(kept)} for other problems" if kept else "")
               + f" are kept in {partial}: run the same command again to ask only for the hints not there "
               f"({failed} failed, {leaked} leaked)", file=sys.stderr)
