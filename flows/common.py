@@ -14,6 +14,8 @@ Reliability:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
 import os
 import re
@@ -65,6 +67,29 @@ def folder_for(experiment: str, label: str, spec: RunSpec, force: bool = False) 
     # the URL of the vLLM server a launch starts is written into the spec it records: not another spec
     recorded = recorded.model_copy(update={"vllm_server_base_url": spec.vllm_server_base_url})
     return run_dir(experiment, label, spec, fresh=True) if recorded.key() != spec.key() else out
+
+
+def end_status(error: BaseException) -> str:
+    """The MLflow status of a run a flow ends by `error`: KILLED when it was stopped (Ctrl-C; a flow run cancelled
+    in Prefect, or its worker shut down, reaches the flow as TerminationSignal), FAILED otherwise."""
+    from prefect.exceptions import ExternalSignal
+
+    return "KILLED" if isinstance(error, (KeyboardInterrupt, ExternalSignal)) else "FAILED"
+
+
+@contextlib.contextmanager
+def run_folder_lock(out: Path, label: str, logger):
+    """Hold an exclusive lock on run folder `out` (`.<name>.lock` beside it) while this flow run trains there: a
+    second flow run of the same spec (serve --limit > 1, several workers on one SAGE_HOME) waits for the first
+    instead of training into the same folder and MLflow run at once. The kernel drops it when the process dies."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("%s: %s is being trained by another flow run; waiting for it", label, out)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
 
 
 def code_version() -> str:

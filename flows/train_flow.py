@@ -19,11 +19,13 @@ from pydantic import ValidationError
 
 from flows.common import (
     code_version,
+    end_status,
     folder_for,
     resolve_benchmarks,
     row_from_run,
     run_dir,
     run_eval,
+    run_folder_lock,
     train_task,
 )
 from flows.params import PresetName, SpecPatch, resolve_spec, with_spec_overrides
@@ -60,6 +62,16 @@ def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict
     """The body of `sage-train` (also the per-variant body of `hint-study`). Returns the run's result row."""
     logger = get_run_logger()
     key = spec.key()
+    out = folder_for(experiment, label, spec, force)
+    with run_folder_lock(out, label, logger):  # a second flow run of this spec waits here, then finds it finished
+        return _run_training_locked(spec, out, key, logger, experiment=experiment, label=label,
+                                    benchmarks=benchmarks, evaluate_before=evaluate_before,
+                                    evaluate_after=evaluate_after, force=force, launcher=launcher,
+                                    parent_run_id=parent_run_id, variant=variant, preset=preset)
+
+
+def _run_training_locked(spec, out, key, logger, *, experiment, label, benchmarks, evaluate_before, evaluate_after,
+                         force, launcher, parent_run_id, variant, preset):
     if not force:
         done = tracking.find_finished_run(key, experiment, kind="train", parent_run_id=parent_run_id)
         if done is not None:
@@ -68,7 +80,6 @@ def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict
             _link(done.info.run_id, done.info.experiment_id, "training")
             names = _complete_evals(spec, done.info.run_id, label, benchmarks, evaluate_before, evaluate_after)
             return {**row_from_run(done.info.run_id, names), "skipped": True}
-    out = folder_for(experiment, label, spec, force)
     if not force and out != run_dir(experiment, label, spec):
         logger.warning("%s holds a run resumed there by hand with another spec (its spec.json); training spec %s in "
                        "a new folder, %s", run_dir(experiment, label, spec), key, out)
@@ -93,8 +104,8 @@ def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict
         if evaluate_after:
             after = run_eval(res["checkpoint_dir"], benches, spec, label=f"{label}-after", cache=False)
             tracking.log_eval(pd.DataFrame(after), "after", run_id)
-    except BaseException:
-        tracking.finish_run(run_id, "FAILED")
+    except BaseException as e:
+        tracking.finish_run(run_id, end_status(e))
         raise
     tracking.finish_run(run_id)
     row = row_from_run(run_id, list(benches))

@@ -8,6 +8,7 @@ import contextlib
 import inspect
 import math
 import os
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -364,7 +365,10 @@ def stubbed_train(tmp_path, monkeypatch):
 
         def __call__(self, spec, out, run_id, label, launcher, code):
             if state["crash"]:
-                raise RuntimeError("killed during training")
+                raise state["crash"] if isinstance(state["crash"], BaseException) else RuntimeError("killed")
+            if state.get("slow"):  # long enough for another flow run of the spec to come
+                time.sleep(state["slow"])
+            state["trained"] = state.get("trained", 0) + 1
             upload_final(Path(out), run_id)
             return {"checkpoint_dir": str(Path(out) / "final")}
 
@@ -449,6 +453,44 @@ def test_a_finished_run_asked_for_other_benchmarks_is_evaluated_on_them(stubbed_
     _unchanged(again)
     assert again["avg_at_k_after"] == pytest.approx(_ACC["b"])  # this call's benchmark, not a and b averaged
     assert stubbed_train["train"](spec, {"b": "b.jsonl"})["skipped"] and len(stubbed_train["evals"]) == 4
+
+
+def test_two_flow_runs_of_one_spec_at_once_train_it_once(stubbed_train, caplog):
+    """serve --limit 2 (or two workers on one SAGE_HOME) runs two flow runs of one spec at once: the second waits for
+    the first's run folder, then finds the spec finished (they trained into one folder and MLflow run together)."""
+    import threading
+
+    stubbed_train["slow"] = 1.5
+    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    rows = []
+    threads = [threading.Thread(target=lambda: rows.append(stubbed_train["train"](spec, None))) for _ in range(2)]
+    with caplog.at_level("WARNING", logger="test-flow"):
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        for t in threads:
+            t.join(60)
+    assert stubbed_train["trained"] == 1 and sorted(r["skipped"] for r in rows) == [False, True]
+    assert rows[0]["run_id"] == rows[1]["run_id"] and "is being trained by another flow run" in caplog.text
+
+
+def test_a_flow_run_cancelled_in_prefect_leaves_its_mlflow_run_killed(stubbed_train):
+    """Prefect stops a cancelled flow run with TerminationSignal: the MLflow run is KILLED, as Ctrl-C leaves a
+    `sage train --mlflow` run (FAILED is for errors), and the next flow run resumes it."""
+    from prefect.exceptions import TerminationSignal
+
+    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    stubbed_train["crash"] = TerminationSignal(15)
+    with pytest.raises(TerminationSignal):
+        stubbed_train["train"](spec, None)
+    run = tracking.find_runs("t-pair", kind="train")[0]
+    assert run.info.status == "KILLED"
+    stubbed_train["crash"] = RuntimeError("out of memory")
+    with pytest.raises(RuntimeError):
+        stubbed_train["train"](spec, None)
+    assert tracking.client().get_run(run.info.run_id).info.status == "FAILED"
+    stubbed_train["crash"] = False
+    assert stubbed_train["train"](spec, None)["run_id"] == run.info.run_id
 
 
 def test_eval_means_pair_the_same_benchmarks_at_the_same_k():
