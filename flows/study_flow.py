@@ -37,7 +37,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from pydantic import Field, ValidationError
 
-from flows.common import row_from_run, runs_root, slug
+from flows.common import end_status, row_from_run, runs_root, slug
 from flows.params import PresetName, SpecPatch, resolve_spec, with_spec_overrides
 from flows.train_flow import Launcher, sage_train
 from sage_core import tracking
@@ -410,8 +410,8 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None
         create_link_artifact(link=compare, link_text="MLflow comparison", key="mlflow-comparison")
         logger.info("comparison:\n%s", card)
         logger.info("MLflow comparison: %s", compare)
-    except BaseException:
-        tracking.finish_run(parent_id, "FAILED")
+    except BaseException as e:
+        tracking.finish_run(parent_id, end_status(e))
         raise
     tracking.finish_run(parent_id, "FAILED" if failed else "FINISHED")
     if failed:
