@@ -79,7 +79,10 @@ EOF
 wait_deployment() {  # wait until the serve process has registered DEPLOYMENT
   local dep="$1" t=0
   while (( t < TIMEOUT )); do
-    if "$BIN/prefect" deployment inspect "$dep" >/dev/null 2>&1; then say "deployment $dep ready (${t}s)"; return 0; fi
+    # this serve's own start line (serve.log is rewritten per start): a deployment left in the database by an
+    # earlier serve is there already, and would pass for one served by a process that died on start
+    if grep -q "being served" "$RUN/serve.log" 2>/dev/null && alive serve \
+       && "$BIN/prefect" deployment inspect "$dep" >/dev/null 2>&1; then say "deployment $dep ready (${t}s)"; return 0; fi
     if ! alive serve; then say "serve exited; last lines of $RUN/serve.log:"; tail -n 30 "$RUN/serve.log" >&2; return 1; fi
     sleep 2; t=$((t + 2))
   done
