@@ -49,10 +49,10 @@ def runs_root() -> Path:
 
 def run_dir(experiment: str, label: str, spec: RunSpec, fresh: bool = False) -> Path:
     """`<SAGE_HOME>/runs/<experiment>/<label>-<spec_key>`: the same spec resumes in the same folder.
-    `fresh` adds a timestamp (force a new run)."""
+    `fresh` adds a timestamp and this process's id (force a new run: two started in one second get two)."""
     name = f"{slug(label)}-{spec.key()}"
     if fresh:
-        name += time.strftime("-%Y%m%d-%H%M%S")
+        name += time.strftime("-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     return runs_root() / slug(experiment) / name
 
 
