@@ -99,6 +99,14 @@ def generate_hf(model, tokenizer, texts: Sequence[str], k: int = 4, temperature:
     if sample:
         gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
     out: list[list[str]] = []
+    # sample as vLLM (explicit SamplingParams) and TRL's rollouts do: nothing from the checkpoint's
+    # generation_config.json but its special tokens (Qwen2.5-Instruct ships repetition_penalty=1.05, top_k=20, ...)
+    from transformers import GenerationConfig
+
+    old_config = getattr(model, "generation_config", None)
+    if old_config is not None:
+        model.generation_config = GenerationConfig(bos_token_id=old_config.bos_token_id,
+                                                   eos_token_id=old_config.eos_token_id, pad_token_id=pad_id)
     try:
         device = next(model.parameters()).device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -115,6 +123,8 @@ def generate_hf(model, tokenizer, texts: Sequence[str], k: int = 4, temperature:
                     out.append(group if sample else group * k)
     finally:
         tokenizer.padding_side = old_side
+        if old_config is not None:
+            model.generation_config = old_config
         model.train(was_training)
     return out
 

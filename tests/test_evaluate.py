@@ -324,3 +324,18 @@ def test_eval_in_a_venv_that_is_not_there_names_it(tmp_path, monkeypatch):
 
     with pytest.raises(FileNotFoundError, match=rf"SAGE_TRAIN_VENV={tmp_path}: no {tmp_path}/bin/python"):
         evaluate_in_venv(tmp_path, "tiny", {"a": [{"prompt": "x", "answer": "1"}]})
+
+
+def test_hf_generate_samples_as_training_does_whatever_the_checkpoints_generation_config(tiny_model_dir):
+    """A hub checkpoint's generation_config.json may carry its own sampling (Qwen2.5-Instruct: repetition_penalty,
+    top_k): transformers applies what a call leaves unset. The HF eval path samples with the eval settings only, as
+    the vLLM path (explicit SamplingParams) and TRL's rollouts do, and leaves the model's config as it was."""
+    from sage_core.evaluate import generate_hf
+
+    model, tok = models.load_policy("tiny")
+    texts = [render_prompt(tok, r) for r in data.synthetic_rows(4, seed=3, difficulty="mixed")]
+    plain = generate_hf(model, tok, texts, k=4, max_new_tokens=24, seed=0)
+    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.no_repeat_ngram_size = 2
+    assert generate_hf(model, tok, texts, k=4, max_new_tokens=24, seed=0) == plain
+    assert model.generation_config.repetition_penalty == 1.3 and model.generation_config.no_repeat_ngram_size == 2
