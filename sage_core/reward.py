@@ -185,7 +185,7 @@ _NUM_RE = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d{1,3})?")
 
 def _normalise(s: str) -> str:
     s = s.strip().strip("$").strip()
-    s = re.sub(r"\\(left|right|!|,|;|:|displaystyle)", "", s)
+    s = re.sub(r"\\(?:left|right)(?![A-Za-z])|\\[!,;:]|\\displaystyle", "", s)  # (the \left of \leftarrow stays)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = re.sub(r"\\text\{\s*([^{}]*)\}", r"\1", s).replace("{,}", ",")
     spaced = re.search(r",\s", s) is not None  # "1, 234" is two numbers, "1,234" one

@@ -85,6 +85,8 @@ def test_equivalent_forms_score_one(pred, gold):
     ("1000001", "1000000"), ("123456700", "123456789"), ("1234.569", "1234.5678"),
     # "1, 234" is a list of two numbers, not 1234
     ("1, 234", "1234"), ("1100", "1, 100"),
+    # \left( is dropped, the \left of \leftarrow is not
+    ("\\leftarrow", "\\rightarrow"),
 ])
 def test_wrong_answers_score_zero(pred, gold):
     assert score(f"\\boxed{{{pred}}}", gold) == 0.0
