@@ -102,7 +102,8 @@ def target_weight(p: float | np.ndarray, objective: str) -> float | np.ndarray:
         t = 2.0 * math.sqrt(2.0) * np.sqrt(p) * (1.0 - p)
     elif objective in ("linear", "log", "arcsin-sqrt"):
         # gate.prompt_weight is f'(p) (clipped); f'(1/2) is 1, 2, 1 for linear, log, arcsin-sqrt
-        t = prompt_weight(p, objective, clip=1e-12) * p * (1.0 - p) * 4.0 / prompt_weight(0.5, objective)
+        pc = np.clip(p, 1e-12, 1.0 - 1e-12)  # f'(p) is clipped there: so is the p it is multiplied by (log: 2(1-p))
+        t = prompt_weight(pc, objective, clip=1e-12) * pc * (1.0 - pc) * 4.0 / prompt_weight(0.5, objective)
     else:
         raise ValueError(f"unknown objective {objective!r}; choose one of {OBJECTIVES} (or 'none')")
     return float(t) if t.ndim == 0 else t

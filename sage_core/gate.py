@@ -44,7 +44,10 @@ def advantage_energy(rewards: Sequence[float], eps: float = EPS) -> float:
 def gate_open_probability(p: float | np.ndarray, G: int) -> float | np.ndarray:
     """u(p) = 1 - (1-p)^G - p^G: the chance that G Bernoulli(p) rollouts are not all equal."""
     p = np.asarray(p, dtype=float)
-    u = 1.0 - (1.0 - p) ** G - p**G
+    # 1 - (1-p)^G as -expm1(G log1p(-p)): exact for tiny p, where (1-p)^G rounds to 1 (and u went negative)
+    with np.errstate(divide="ignore"):  # p = 1: log1p(-1) = -inf, expm1(-inf) = -1
+        u = -np.expm1(G * np.log1p(-p)) - p**G
+    u = np.clip(u, 0.0, 1.0)
     return float(u) if u.ndim == 0 else u
 
 

@@ -122,6 +122,8 @@ def test_target_weight_is_f_prime_times_p_one_minus_p():
         ratio = C.target_weight(p, f) / (prompt_weight(p, f) * p * (1 - p))
         assert np.allclose(ratio, ratio[0]) and C.target_weight(0.5, f) == pytest.approx(1.0)
     assert np.allclose(C.target_weight(p, "sqrt") / (p ** -0.5 * p * (1 - p)), 2 * math.sqrt(2))
+    # at the ends f'(p) is clipped, and so is the p it multiplies: log's T = 2(1-p) is 2 at p = 0, not 0
+    assert C.target_weight(np.array([0.0, 1e-13]), "log") == pytest.approx([2.0, 2.0])
     for f in ("linear", "log"):  # the pilot estimators of the polynomial objectives are unbiased
         for q in (0.1, 0.37, 0.9):
             e = sum(math.comb(G, k) * q**k * (1 - q) ** (G - k) * C.pilot_weight(k, G, f) for k in range(G + 1))

@@ -25,7 +25,9 @@ def test_empirical_gate_open_frequency_matches_u_within_binomial_tolerance(G):
         u = gate.gate_open_probability(p, G)
         tol = 4.5 * math.sqrt(u * (1 - u) / n) + 1e-12
         assert abs(open_freq - u) <= tol, (G, p, open_freq, u)
-        # the per-group predicate agrees with the vectorised count
+        # the per-group predicate agrees with the vectorised count (and u stays a probability for tiny p,
+        # where (1-p)^G rounds to 1: about G p)
+        assert gate.gate_open_probability(1e-17, G) == pytest.approx(G * 1e-17, rel=1e-6)
         for row in groups[:50]:
             assert gate.collapsed(row.astype(float).tolist()) == (row.all() or not row.any())
 
