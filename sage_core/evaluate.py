@@ -213,6 +213,13 @@ def vllm_sampling(k: int, temperature: float, top_p: float, max_new_tokens: int,
     return {"n": k, "temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens, "seed": seed}, 1
 
 
+def prompt_sampling(kwargs: dict, first: int, n: int, k: int) -> list[dict]:
+    """SamplingParams kwargs for n prompts, the first of them prompt `first` counted over every benchmark: prompt i
+    gets seed + i * k. vLLM seeds sample j of a request with the request's seed + j, so one seed for every request
+    drew sample j of each prompt from one random stream; now no two samples share one."""
+    return [{**kwargs, "seed": kwargs["seed"] + (first + i) * k} for i in range(n)]
+
+
 def _generate_vllm_from(path: str, benchmarks, k, temperature, top_p, max_new_tokens, seed, gpu_memory_utilization):
     from vllm import LLM, SamplingParams
 
@@ -235,10 +242,11 @@ def _generate_vllm_from(path: str, benchmarks, k, temperature, top_p, max_new_to
     tokenizer = ours if ours is not None else llm.get_tokenizer()  # a GGUF file carries its own
     ids = ids if ids is not None else encode(tokenizer)
     kwargs, copies = vllm_sampling(k, temperature, top_p, max_new_tokens, seed)
-    params = SamplingParams(**kwargs)
-    out = {}
+    out, first = {}, 0
     try:
         for name in benchmarks:
+            params = [SamplingParams(**p) for p in prompt_sampling(kwargs, first, len(ids[name]), k)]
+            first += len(ids[name])
             results = llm.generate([{"prompt_token_ids": x} for x in ids[name]], params)
             out[name] = [tokenizer.batch_decode([o.token_ids for o in r.outputs], skip_special_tokens=True) * copies
                          for r in results]

@@ -164,6 +164,20 @@ def test_vllm_path_without_vllm_names_what_to_install(monkeypatch):
         evaluate("tiny", {"x": data.synthetic_rows(1)}, use_vllm=True)
 
 
+def test_each_prompt_samples_on_vllm_from_seeds_of_its_own():
+    """vLLM seeds sample j of a request with its seed + j: prompt i (counted over the benchmarks) gets seed + i k,
+    so no two samples of an evaluation share a random stream (one seed for all drew sample j of every prompt
+    alike: two copies of a prompt got the same completions)."""
+    from sage_core.evaluate import prompt_sampling, vllm_sampling
+
+    kwargs, _ = vllm_sampling(4, 0.6, 0.95, 40, 7)
+    first = prompt_sampling(kwargs, 0, 3, 4)
+    second = prompt_sampling(kwargs, 3, 2, 4)  # the next benchmark
+    seeds = [s for p in first + second for s in range(p["seed"], p["seed"] + 4)]
+    assert seeds == list(range(7, 7 + 5 * 4))
+    assert all({**p, "seed": 7} == kwargs for p in first + second)
+
+
 def test_greedy_vllm_sampling_is_one_completion_copied_k_times():
     """vLLM refuses n > 1 when greedy ("n must be 1 when using greedy sampling"): temperature 0 (RunSpec's
     eval_temperature allows it) asks for one completion and copies it k times, as the HF path does."""
