@@ -3,6 +3,8 @@
 Design (works from any thread, never hangs, never raises):
 - guards: no box, an absurdly long completion or boxed answer, huge exponents/factorials or deep nesting -> 0.0;
 - a fast path decides plain numbers and identical strings in-process (the common case, e.g. the synthetic task);
+  it reads numbers as numbers, so `5.` = `5`, `1.` = `1.0` and `1e3` = `1000` score 1, which the paper's
+  math-verify setup scores 0 (its misses, judged here as not worth copying);
 - everything else goes to math-verify in a small persistent pool of worker subprocesses (`python -m
   sage_core.reward --worker`, JSON lines over pipes) with math-verify's own signal-based timeouts off and a
   per-call timeout enforced by the caller; a worker that times out is killed (and replaced on next use), the
