@@ -495,10 +495,12 @@ def gate_open_bins(frame: pd.DataFrame, G: int, n_bins: int = 10) -> pd.DataFram
 
 
 def prompt_summary(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per prompt: difficulty, steps seen, mean pass rates, mean/max level, collapse counts, never-solved."""
+    """One row per prompt: difficulty, steps seen, mean pass rates, mean/max level trained, max level tried, collapse
+    counts, never-solved."""
     if frame.empty:
         return pd.DataFrame(columns=["prompt_id", "difficulty", "steps", "pass_rate", "base_pass_rate", "mean_level",
-                                     "max_level", "all0", "all1", "collapsed", "rescued", "hint_failed",
+                                     "max_level", "max_level_tried", "all0", "all1", "collapsed", "rescued",
+                                     "hint_failed",
                                      "never_solved", "never_solved_no_hint"])
     f = frame.assign(
         _all0=frame["base_state"].astype(str) == "all0",
@@ -515,7 +517,8 @@ def prompt_summary(frame: pd.DataFrame) -> pd.DataFrame:
         "pass_rate": g["pass_rate"].mean(),
         "base_pass_rate": g["base_pass_rate"].mean(),
         "mean_level": g["level"].mean(),
-        "max_level": g["level"].max(),
+        "max_level": g["level"].max(),  # the highest level trained on
+        "max_level_tried": g["max_level_tried"].max(),  # and searched (SAGE: tried, none rescued it: trained at 0)
         "all0": g["_all0"].sum(),
         "all1": g["_all1"].sum(),
         "collapsed": g["_coll"].sum(),

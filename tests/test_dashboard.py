@@ -386,6 +386,11 @@ def test_levels_page_sorting_and_never_solved(monkeypatch, dashboard_store):
     if never:
         _ok(at.toggle(key="levels_never").set_value(True).run())
         assert set(_frame(at, "never_solved")["prompt_id"]) == never
+    # another page and back: the page's picks are as they were (Streamlit drops an undrawn widget's value)
+    _ok(at.switch_page(PAGES["gate"]).run())
+    _ok(at.switch_page(PAGES["levels"]).run())
+    assert at.selectbox(key="levels_sort").value == "overall pass rate (lowest first)"
+    assert at.toggle(key="levels_never").value == bool(never)
 
 
 def test_explorer_shows_hint_levels_and_leaks(monkeypatch, dashboard_store):
@@ -546,3 +551,20 @@ def test_2000_prompts_x_200_steps_stays_responsive(monkeypatch, big_store, capsy
               + ", ".join(f"{k}=({c:.2f}, {w:.2f})" for k, (c, w) in timings.items()))
     assert all(w < 8.0 for _, w in timings.values()), timings  # cached reruns; generous for 2 shared CPU cores
     assert all(c < 60.0 for c, _ in timings.values() if not math.isnan(c)), timings
+
+
+def test_prompt_summary_tells_a_hint_search_that_rescued_nothing_from_no_hint():
+    """SAGE tried levels 1-3 on an all-0 prompt, none gave mixed rewards, the group trained unhinted: its max level
+    trained is 0, its max level tried 3 (the summary said only 0, as for a prompt never hinted)."""
+    from dashboards import data as D
+
+    rows = [{"step": 1, "prompt_id": "searched", "difficulty": 3, "base_pass_rate": 0.0, "base_state": "all0",
+             "level": 0, "max_level_tried": 3, "pass_rate": 0.0, "rescued": False, "hint_failed": False,
+             "acc_l1": 0.0, "acc_l2": 0.0, "acc_l3": 0.0},
+            {"step": 1, "prompt_id": "mixed", "difficulty": 1, "base_pass_rate": 0.5, "base_state": "mixed",
+             "level": 0, "max_level_tried": 0, "pass_rate": 0.5, "rescued": False, "hint_failed": False,
+             "acc_l1": float("nan"), "acc_l2": float("nan"), "acc_l3": float("nan")}]
+    summary = D.prompt_summary(pd.DataFrame(rows)).set_index("prompt_id")
+    assert summary.loc["searched", ["max_level", "max_level_tried"]].tolist() == [0, 3]
+    assert summary.loc["mixed", ["max_level", "max_level_tried"]].tolist() == [0, 0]
+    assert set(D.prompt_summary(pd.DataFrame(rows).iloc[:0]).columns) == set(summary.reset_index().columns)

@@ -60,10 +60,18 @@ if query:
                 | view["problem"].fillna("").str.lower().str.contains(q, regex=False)]
 
 st.dataframe(view[["prompt_id", "problem", "difficulty", "steps", "collapsed", "all0", "all1", "rescued",
-                   "max_level", "hint_failed", "last state", "pass rate history", "level history"]],
+                   "max_level", "max_level_tried", "hint_failed", "last state", "pass rate history",
+                   "level history"]],
              hide_index=True, key="explorer_table", height=320, column_config={
                  "problem": st.column_config.TextColumn(width="large"),
                  "collapsed": st.column_config.NumberColumn("collapsed steps"),
+                 "max_level": st.column_config.NumberColumn("max level trained"),
+                 "max_level_tried": st.column_config.NumberColumn(
+                     "max level tried", help="the highest hint level searched: tried, and none had mixed rewards, "
+                     "where it is above the level trained"),
+                 "hint_failed": st.column_config.NumberColumn(
+                     "hint failed", help="steps where writing a hint failed (no usable hint), not hints that did not "
+                     "rescue the group"),
                  "all0": st.column_config.NumberColumn("all-0"), "all1": st.column_config.NumberColumn("all-1"),
                  "pass rate history": st.column_config.LineChartColumn(y_min=0.0, y_max=1.0),
                  "level history": st.column_config.BarChartColumn(y_min=0, y_max=3)})

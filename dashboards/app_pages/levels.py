@@ -95,6 +95,8 @@ st.dataframe(shown, hide_index=True, key="levels_table", column_config={
     "pass_rate": st.column_config.ProgressColumn("mean pass rate", min_value=0.0, max_value=1.0, format="%.2f"),
     "base_pass_rate": st.column_config.NumberColumn("mean no-hint pass rate", format="%.2f"),
     "mean_level": st.column_config.NumberColumn(format="%.2f"),
+    "max_level": st.column_config.NumberColumn("max level trained"),
+    "max_level_tried": st.column_config.NumberColumn("max level tried"),
     "never_solved": st.column_config.CheckboxColumn("never solved"),
     "never_solved_no_hint": st.column_config.CheckboxColumn("never solved w/o hint"),
 })
