@@ -80,7 +80,9 @@ except Exception as exc:  # noqa: BLE001 - shown to the user instead of a traceb
     _stop("error", f"Cannot search runs in `{exp_name}`: {type(exc).__name__}: {str(exc)[:500]}")
 
 if runs.empty:
-    _stop("info", f"Experiment `{exp_name}` has no runs yet.")
+    _stop("info", f"Experiment `{exp_name}` has no runs yet."
+          + (" Train something first (`make demo`, or `sage train --mlflow`)." if len(names) == 1 else
+             " Pick another experiment in the sidebar."))
 
 ids = list(runs["run_id"])
 labels = dict(zip(ids, [f"{n} · {m or '?'}{('/' + h) if h else ''} · {s.lower()} ({i[:8]})" for i, n, m, h, s in

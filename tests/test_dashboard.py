@@ -120,7 +120,7 @@ def test_empty_store_says_there_are_no_runs(monkeypatch, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     MlflowClient(uri).search_experiments()  # creates and migrates an empty store (the Default experiment)
     at = _ok(_app(monkeypatch, uri).run())
-    assert at.info and "has no runs yet" in at.info[0].value
+    assert at.info and "has no runs yet. Train something first (`make demo`" in at.info[0].value
     _ok(at.switch_page(PAGES["levels"]).run())
     assert at.info and "has no runs yet" in at.info[0].value
 
