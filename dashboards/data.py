@@ -593,17 +593,23 @@ def variant_label(method: str, hint_source: str) -> str:
 
 
 def variant_color(order: list[str]):
-    """A colour scale that keeps each variant's colour across charts (GRPO gray, SAGE-LIGHT green, ...)."""
+    """A colour scale that keeps each variant's colour across charts (GRPO gray, SAGE-LIGHT green, ...); a label made
+    unique by its run ("GRPO · grpo-s1", one per seed) has its variant's colour."""
     import altair as alt
 
     extra = ["#8c564b", "#e377c2", "#bcbd22", "#17becf", "#d62728"]
-    colors = [VARIANT_COLORS[VARIANT_ORDER.index(v)] if v in VARIANT_ORDER else extra[i % len(extra)]
+    colors = [VARIANT_COLORS[VARIANT_ORDER.index(_base(v))] if _base(v) in VARIANT_ORDER else extra[i % len(extra)]
               for i, v in enumerate(order)]
     return alt.Scale(domain=list(order), range=colors)
 
 
+def _base(label: str) -> str:
+    """A variant label without the run name the Variants page adds to tell runs of one variant apart."""
+    return str(label).split(" · ", 1)[0]
+
+
 def variant_rank(label: str) -> int:
-    return VARIANT_ORDER.index(label) if label in VARIANT_ORDER else len(VARIANT_ORDER)
+    return VARIANT_ORDER.index(_base(label)) if _base(label) in VARIANT_ORDER else len(VARIANT_ORDER)
 
 
 def compare_url(run_ids: list[str], experiment_ids: list[str], base: str | None = None) -> str:

@@ -568,3 +568,15 @@ def test_prompt_summary_tells_a_hint_search_that_rescued_nothing_from_no_hint():
     assert summary.loc["searched", ["max_level", "max_level_tried"]].tolist() == [0, 3]
     assert summary.loc["mixed", ["max_level", "max_level_tried"]].tolist() == [0, 0]
     assert set(D.prompt_summary(pd.DataFrame(rows).iloc[:0]).columns) == set(summary.reset_index().columns)
+
+
+def test_runs_of_one_variant_keep_its_colour_and_rank():
+    """A seed study's Variants page labels runs 'GRPO · grpo-s0', 'GRPO · grpo-s1': each has GRPO's gray and rank
+    (they got the spare colours, unlike the study bars above them)."""
+    from dashboards import data as D
+
+    order = ["GRPO · grpo-s0", "GRPO · grpo-s1", "SAGE-LIGHT · sage-light-s0", "custom"]
+    scale = D.variant_color(order).to_dict()
+    grey, green = D.VARIANT_COLORS[0], D.VARIANT_COLORS[1]
+    assert scale["range"][:3] == [grey, grey, green] and scale["range"][3] not in D.VARIANT_COLORS
+    assert [D.variant_rank(v) for v in order] == [0, 0, 1, len(D.VARIANT_ORDER)]
