@@ -24,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from prefect import get_run_logger, task
 from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
 from transformers import TrainerCallback
@@ -293,6 +294,12 @@ def evaluate_task(model_ref: str, benchmarks: dict[str, Any], k: int, temperatur
 def eval_settings(spec: RunSpec) -> dict[str, Any]:
     return dict(k=spec.eval_k, temperature=spec.eval_temperature, top_p=spec.eval_top_p,
                 max_new_tokens=spec.max_completion_length, use_vllm=spec.use_vllm, seed=spec.seed)
+
+
+def eval_table(rows: list[dict], spec: RunSpec) -> pd.DataFrame:
+    """Eval rows as logged into a run's eval.parquet: with the sampling settings they were taken at (temperature,
+    top_p; k and n_prompts are columns already), so that a before/after pair can be checked to share them."""
+    return pd.DataFrame(rows).assign(temperature=spec.eval_temperature, top_p=spec.eval_top_p)
 
 
 def run_eval(model_ref: str, benchmarks: dict[str, Any], spec: RunSpec, label: str, cache: bool,

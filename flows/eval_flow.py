@@ -15,12 +15,11 @@ import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import pandas as pd
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
-from flows.common import resolve_benchmarks, run_eval, slug
+from flows.common import eval_table, resolve_benchmarks, run_eval, slug
 from flows.params import PresetName, resolve_spec
 from sage_core import tracking
 from sage_core.spec import HINTING_METHODS, recorded_beside, spec_from_fields
@@ -102,7 +101,7 @@ def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, pre
     logger.info("sage-eval %s on %s (k=%d, T=%.2f, top_p=%.2f)", model, sorted(benches), spec.eval_k,
                 spec.eval_temperature, spec.eval_top_p)
     rows = run_eval(ref, benches, spec, label=slug(Path(model).name or model), cache=False)
-    df = pd.DataFrame(rows)
+    df = eval_table(rows, spec)
     if log_to_run:
         run_id = log_to_run
         tracking.log_eval(df, when, run_id)

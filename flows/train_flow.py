@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import pandas as pd
+import numpy as np
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from pydantic import ValidationError
@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from flows.common import (
     code_version,
     end_status,
+    eval_table,
     folder_for,
     resolve_benchmarks,
     row_from_run,
@@ -92,18 +93,18 @@ def _run_training_locked(spec, out, key, logger, *, experiment, label, benchmark
     _link(run_id, exp_id, "training")
     try:
         benches = resolve_benchmarks(spec, benchmarks)
-        todo = missing_evals(tracking.load_eval(run_id), "before", benches, spec.eval_k)
+        todo = missing_evals(tracking.load_eval(run_id), "before", benches, spec)
         if evaluate_before and todo:  # an attempt before this one may have evaluated other benchmarks, or another k
             before = run_eval(spec.model, todo, spec, label=f"{label}-before", cache=True,
                               gguf_file=spec.gguf_file)
-            tracking.log_eval(pd.DataFrame(before), "before", run_id)
+            tracking.log_eval(eval_table(before, spec), "before", run_id)
         train = train_task
         if not (out / "final").is_dir():  # never reuse a cached result whose model is gone
             train = train_task.with_options(refresh_cache=True)
         res = train(spec, str(out), run_id, label, launcher, code_version())
         if evaluate_after:
             after = run_eval(res["checkpoint_dir"], benches, spec, label=f"{label}-after", cache=False)
-            tracking.log_eval(pd.DataFrame(after), "after", run_id)
+            tracking.log_eval(eval_table(after, spec), "after", run_id)
     except BaseException as e:
         tracking.finish_run(run_id, end_status(e))
         raise
@@ -117,19 +118,20 @@ def _run_training_locked(spec, out, key, logger, *, experiment, label, benchmark
 def _complete_evals(spec: RunSpec, run_id: str, label: str, benchmarks: dict[str, str] | None,
                     evaluate_before: bool, evaluate_after: bool) -> list[str]:
     """The evaluations this call asks for that a finished run lacks (one trained by `sage train --mlflow`, or by
-    a flow run with evaluate_after=false, or evaluated on other benchmarks or at another k), run now and logged
+    a flow run with evaluate_after=false, or evaluated on other benchmarks or other eval settings), run now and logged
     into it: 'before' on the spec's model, 'after' on the checkpoint the run uploaded. Returns the benchmarks'
     names (this call's, for its result row)."""
     previous = tracking.load_eval(run_id)
     benches = resolve_benchmarks(spec, benchmarks)
     wanted = {when: todo for when, on in (("before", evaluate_before), ("after", evaluate_after))
-              if on and (todo := missing_evals(previous, when, benches, spec.eval_k))}
+              if on and (todo := missing_evals(previous, when, benches, spec))}
     if not wanted:
         return list(benches)
     from flows.eval_flow import resolve_model
 
-    get_run_logger().info("%s: MLflow run %s has no %s evaluation at k=%d of %s: evaluating now", label, run_id,
-                          " or ".join(wanted), spec.eval_k, sorted({b for t in wanted.values() for b in t}))
+    get_run_logger().info("%s: MLflow run %s has no %s evaluation at k=%d, T=%g, top_p=%g of %s: evaluating now",
+                          label, run_id, " or ".join(wanted), spec.eval_k, spec.eval_temperature, spec.eval_top_p,
+                          sorted({b for t in wanted.values() for b in t}))
     for when, todo in wanted.items():
         if when == "before":
             rows = run_eval(spec.model, todo, spec, label=f"{label}-before", cache=True, gguf_file=spec.gguf_file)
@@ -139,16 +141,22 @@ def _complete_evals(spec: RunSpec, run_id: str, label: str, benchmarks: dict[str
             continue
         else:
             rows = run_eval(resolve_model(f"runs:/{run_id}")[0], todo, spec, label=f"{label}-after", cache=False)
-        tracking.log_eval(pd.DataFrame(rows), when, run_id)
+        tracking.log_eval(eval_table(rows, spec), when, run_id)
     return list(benches)
 
 
-def missing_evals(previous, when: str, benches: dict[str, Any], k: int) -> dict[str, Any]:
-    """The benchmarks of `benches` the run's eval table has no `when` row of at `k`."""
+def missing_evals(previous, when: str, benches: dict[str, Any], spec: RunSpec) -> dict[str, Any]:
+    """The benchmarks of `benches` the run's eval table has no `when` row of taken as `spec` evaluates: at its
+    eval_k, eval_temperature and eval_top_p (where the table records them: rows logged before it did count as
+    taken so), on as many prompts as the benchmark has now (eval_num_prompts of the held-out set, a file's rows)."""
     if previous is None or len(previous) == 0:
         return benches
-    have = set(previous.loc[(previous["when"] == when) & (previous["k"] == k), "benchmark"].astype(str))
-    return {b: rows for b, rows in benches.items() if b not in have}
+    rows = previous[(previous["when"] == when) & (previous["k"] == spec.eval_k)]
+    for col, value in (("temperature", spec.eval_temperature), ("top_p", spec.eval_top_p)):
+        if col in rows.columns:
+            rows = rows[rows[col].isna() | np.isclose(rows[col].astype(float), value)]
+    have = {str(b): int(n) for b, n in zip(rows["benchmark"], rows["n_prompts"], strict=True)}
+    return {b: r for b, r in benches.items() if b not in have or have[b] != len(r)}
 
 
 def _report(row: dict[str, Any], label: str) -> None:

@@ -356,8 +356,8 @@ def stubbed_train(tmp_path, monkeypatch):
     def fake_eval(model_ref, benches, spec, label, cache, gguf_file=None):
         state["evals"].append((label.rsplit("-", 1)[1], sorted(benches), spec.eval_k))
         k = spec.eval_k
-        return [{"benchmark": b, "k": k, "avg_at_k": _ACC[b], "pass_at_k": 1 - (1 - _ACC[b]) ** k, "n_prompts": 4}
-                for b in benches]
+        return [{"benchmark": b, "k": k, "avg_at_k": _ACC[b], "pass_at_k": 1 - (1 - _ACC[b]) ** k,
+                 "n_prompts": len(benches[b])} for b in benches]
 
     class FakeTrain:
         def with_options(self, **kw):
@@ -380,7 +380,8 @@ def stubbed_train(tmp_path, monkeypatch):
     monkeypatch.setattr(tf, "get_run_logger", lambda: logging.getLogger("test-flow"))
     monkeypatch.setattr(tf, "run_eval", fake_eval)
     monkeypatch.setattr(tf, "train_task", FakeTrain())
-    monkeypatch.setattr(tf, "resolve_benchmarks", lambda spec, b: {n: [] for n in (b or {"held": ""})})
+    monkeypatch.setattr(tf, "resolve_benchmarks",  # a file's 4 rows; the held-out set's eval_num_prompts
+                        lambda spec, b: {n: [{}] * (4 if b else spec.eval_num_prompts) for n in (b or {"held": ""})})
     monkeypatch.setattr(tf, "_link", lambda *a: None)
     monkeypatch.setattr(tf, "_report", lambda *a: None)
 
@@ -491,6 +492,29 @@ def test_a_flow_run_cancelled_in_prefect_leaves_its_mlflow_run_killed(stubbed_tr
     assert tracking.client().get_run(run.info.run_id).info.status == "FAILED"
     stubbed_train["crash"] = False
     assert stubbed_train["train"](spec, None)["run_id"] == run.info.run_id
+
+
+def test_a_run_resumed_with_other_eval_settings_is_scored_before_at_them_too(stubbed_train):
+    """eval_temperature, eval_top_p and eval_num_prompts are resumable like eval_k: a run hand-resumed with another
+    one is evaluated before and after again at it (its old 'before' taken otherwise is no pair for the new 'after'),
+    and a flow call with the settings it has evaluates nothing."""
+    spec = first_spec = RunSpec(method="grpo", max_steps=1, eval_k=2, eval_num_prompts=8)
+    first = stubbed_train["train"](spec, None)
+    assert stubbed_train["evals"] == [("before", ["held"], 2), ("after", ["held"], 2)]
+    assert stubbed_train["train"](spec, None)["skipped"] and len(stubbed_train["evals"]) == 2
+    for change in ({"eval_temperature": 1.0}, {"eval_top_p": 0.5}, {"eval_num_prompts": 16}):
+        spec = spec.model_copy(update=change)
+        rid, resumed = tracking.resume_or_create_run(spec, "train", common.run_dir("t-pair", "grpo", first_spec),
+                                                     experiment="t-pair")  # what `sage train` does, by hand
+        assert resumed and rid == first["run_id"]
+        tracking.finish_run(rid)
+        n = len(stubbed_train["evals"])
+        again = stubbed_train["train"](spec, None)
+        assert again["run_id"] == first["run_id"] and again["skipped"]
+        assert stubbed_train["evals"][n:] == [("before", ["held"], 2), ("after", ["held"], 2)], change
+        ev = tracking.load_eval(first["run_id"])
+        assert len(ev) == 2 and set(ev["temperature"]) == {spec.eval_temperature}
+        assert set(ev["top_p"]) == {spec.eval_top_p} and set(ev["n_prompts"]) == {spec.eval_num_prompts}
 
 
 def test_eval_means_pair_the_same_benchmarks_at_the_same_k():
