@@ -63,8 +63,11 @@ def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict
     """The body of `sage-train` (also the per-variant body of `hint-study`). Returns the run's result row."""
     logger = get_run_logger()
     key = spec.key()
-    out = folder_for(experiment, label, spec, force)
-    with run_folder_lock(out, label, logger):  # a second flow run of this spec waits here, then finds it finished
+    # the lock is on the spec's own folder (a forced run's: its fresh one), taken before folder_for looks at it:
+    # two flow runs that would each be given a fresh folder (run_dir holds another spec) wait for each other too
+    base = run_dir(experiment, label, spec, fresh=force)
+    with run_folder_lock(base, label, logger):  # a second flow run of this spec waits here, then finds it finished
+        out = base if force else folder_for(experiment, label, spec)
         return _run_training_locked(spec, out, key, logger, experiment=experiment, label=label,
                                     benchmarks=benchmarks, evaluate_before=evaluate_before,
                                     evaluate_after=evaluate_after, force=force, launcher=launcher,

@@ -475,6 +475,28 @@ def test_two_flow_runs_of_one_spec_at_once_train_it_once(stubbed_train, caplog):
     assert rows[0]["run_id"] == rows[1]["run_id"] and "is being trained by another flow run" in caplog.text
 
 
+def test_two_flow_runs_given_fresh_folders_wait_for_each_other_too(stubbed_train, monkeypatch):
+    """The spec's folder holds a run resumed there by hand with another spec, so each flow run of the spec is given
+    a fresh folder of its own (timestamp and pid): the lock is on the spec's folder, taken before that choice, so
+    the second still waits and finds the spec finished (each locked its own fresh folder and both trained)."""
+    import threading
+
+    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    d = common.run_dir("t-pair", "grpo", spec)
+    d.mkdir(parents=True)
+    (d / "spec.json").write_text(spec.model_copy(update={"max_steps": 5}).model_dump_json())
+    monkeypatch.setattr(os, "getpid", lambda: 40000 + threading.get_ident() % 1000)  # two workers' processes
+    stubbed_train["slow"] = 1.5
+    rows = []
+    threads = [threading.Thread(target=lambda: rows.append(stubbed_train["train"](spec, None))) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)
+    for t in threads:
+        t.join(60)
+    assert stubbed_train["trained"] == 1 and sorted(r["skipped"] for r in rows) == [False, True]
+
+
 def test_a_flow_run_cancelled_in_prefect_leaves_its_mlflow_run_killed(stubbed_train):
     """Prefect stops a cancelled flow run with TerminationSignal: the MLflow run is KILLED, as Ctrl-C leaves a
     `sage train --mlflow` run (FAILED is for errors), and the next flow run resumes it."""
