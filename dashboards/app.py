@@ -40,7 +40,8 @@ def _stop(kind: str, message: str) -> None:
 
 
 # Streamlit drops a widget's value when a run does not draw it (another page): re-assigning keeps the pages' picks
-# (run, sort, filters) when the user comes back. Not the page number or per-prompt step: their ranges change.
+# (run, sort, filters) when the user comes back. Not the page number or per-prompt step: their ranges change. (A
+# widget given a default logs a warning about its value set this way: `make dashboard` and the images turn it off.)
 for _k in ("runs_kinds", "gate_run", "gate_G", "gate_bins", "levels_run", "levels_sort", "levels_never",
            "levels_per_page", "explorer_run", "explorer_filter", "explorer_query", "explorer_prompt", "variants_study",
            "variants_column", "variants_metrics", "variants_smooth", "variants_eval_stat", "variants_eval_k"):

@@ -44,4 +44,5 @@ HEALTHCHECK --interval=30s --timeout=10s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8501/_stcore/health', timeout=5)"]
 
 CMD ["streamlit", "run", "dashboards/app.py", "--server.address", "0.0.0.0", "--server.port", "8501", \
-     "--server.headless", "true", "--client.toolbarMode", "viewer"]
+     "--server.headless", "true", "--client.toolbarMode", "viewer", \
+     "--global.disableWidgetStateDuplicationWarning", "true"]

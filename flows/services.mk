@@ -36,7 +36,7 @@ demo: install
 dashboard:
 	SAGE_HOME="$(SAGE_HOME)" $(BIN)/streamlit run dashboards/app.py --server.headless true \
 	  --server.address 127.0.0.1 --server.port $(DASHBOARD_PORT) --browser.gatherUsageStats false \
-	  --client.toolbarMode viewer
+	  --client.toolbarMode viewer --global.disableWidgetStateDuplicationWarning true
 
 mlflow-ui:
 	$(SERVICES) mlflow-ui
