@@ -459,20 +459,26 @@ def test_a_finished_run_asked_for_other_benchmarks_is_evaluated_on_them(stubbed_
 def test_two_flow_runs_of_one_spec_at_once_train_it_once(stubbed_train, caplog):
     """serve --limit 2 (or two workers on one SAGE_HOME) runs two flow runs of one spec at once: the second waits for
     the first's run folder, then finds the spec finished (they trained into one folder and MLflow run together)."""
+    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    with caplog.at_level("WARNING", logger="test-flow"):
+        rows = _two_at_once(stubbed_train, spec)
+    assert stubbed_train["trained"] == 1 and sorted(r["skipped"] for r in rows) == [False, True]
+    assert rows[0]["run_id"] == rows[1]["run_id"] and "is being trained by another flow run" in caplog.text
+
+
+def _two_at_once(stubbed_train, spec: RunSpec) -> list[dict]:
+    """Two flow runs of `spec`, the second started 0.3 s after the first, while the first trains (1.5 s)."""
     import threading
 
     stubbed_train["slow"] = 1.5
-    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
-    rows = []
+    rows: list[dict] = []
     threads = [threading.Thread(target=lambda: rows.append(stubbed_train["train"](spec, None))) for _ in range(2)]
-    with caplog.at_level("WARNING", logger="test-flow"):
-        for t in threads:
-            t.start()
-            time.sleep(0.3)
-        for t in threads:
-            t.join(60)
-    assert stubbed_train["trained"] == 1 and sorted(r["skipped"] for r in rows) == [False, True]
-    assert rows[0]["run_id"] == rows[1]["run_id"] and "is being trained by another flow run" in caplog.text
+    for t in threads:
+        t.start()
+        time.sleep(0.3)
+    for t in threads:
+        t.join(60)
+    return rows
 
 
 def test_two_flow_runs_given_fresh_folders_wait_for_each_other_too(stubbed_train, monkeypatch):
@@ -486,14 +492,7 @@ def test_two_flow_runs_given_fresh_folders_wait_for_each_other_too(stubbed_train
     d.mkdir(parents=True)
     (d / "spec.json").write_text(spec.model_copy(update={"max_steps": 5}).model_dump_json())
     monkeypatch.setattr(os, "getpid", lambda: 40000 + threading.get_ident() % 1000)  # two workers' processes
-    stubbed_train["slow"] = 1.5
-    rows = []
-    threads = [threading.Thread(target=lambda: rows.append(stubbed_train["train"](spec, None))) for _ in range(2)]
-    for t in threads:
-        t.start()
-        time.sleep(0.3)
-    for t in threads:
-        t.join(60)
+    rows = _two_at_once(stubbed_train, spec)
     assert stubbed_train["trained"] == 1 and sorted(r["skipped"] for r in rows) == [False, True]
 
 
