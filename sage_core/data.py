@@ -363,10 +363,12 @@ def _normalise_prompt(prompt: Any, system_prompt: str | None) -> list[dict[str, 
 
 
 def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
-                      system_prompt: str | None = None, first_row: int = 0) -> list[dict[str, Any]]:
+                      system_prompt: str | None = None, first_row: int = 0,
+                      for_hints: bool = True) -> list[dict[str, Any]]:
     """Records with any of the accepted column names -> rows in the schema. Raises DataError (a ValueError) on
     missing columns (naming the column, the source and the columns found), malformed prompts and duplicated prompt
-    ids; rows are counted from `first_row` (0; the held-out rows of a file: their row in it)."""
+    ids; rows are counted from `first_row` (0; the held-out rows of a file: their row in it). Rows without a
+    solution are warned about where they are trained on (`for_hints`: hints are written from it), not in evaluation."""
     records = [_to_py(dict(r)) for r in records]
     columns = sorted({k for r in records for k in r})
     if not records:
@@ -455,7 +457,7 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
                     "follows ####, the rationale the solution where the row has none", source, gsm8k, len(rows))
     if boxed_in_solution:
         logger.info("%s: no answer column: each gold answer is its solution's last \\boxed{}", source)
-    if no_solution:
+    if no_solution and for_hints:
         msg = (f"{source}: {no_solution} of {len(rows)} rows have no 'solution'; their hints will be built "
                f"answer-free from the problem only")
         logger.warning(msg)
@@ -501,7 +503,7 @@ def to_dataset(rows: list[dict[str, Any]]):
 
 
 def load_rows(source: str, split: str = "train", limit: int | None = None, system_prompt: str | None = None,
-              seed: int = 0, **kwargs: Any):
+              seed: int = 0, for_hints: bool = True, **kwargs: Any):
     """Load `source` into a `datasets.Dataset` in the row schema.
 
     source: "synthetic" (kwargs: `n` or `num_prompts` rows, default `limit` or 64; `difficulty`), a .parquet,
@@ -521,7 +523,7 @@ def load_rows(source: str, split: str = "train", limit: int | None = None, syste
     records, name = read_records(source, split)
     if limit is not None:
         records = records[:limit]
-    return to_dataset(normalise_records(records, name, system_prompt))
+    return to_dataset(normalise_records(records, name, system_prompt, for_hints=for_hints))
 
 
 def system_prompt_for(spec: Any) -> str | None:
@@ -590,7 +592,7 @@ def eval_rows(spec: Any):
     rest = records[spec.num_prompts:spec.num_prompts + n]
     if not rest:
         raise DataError(f"{name}: no rows left for evaluation after the first {spec.num_prompts} training rows")
-    return to_dataset(normalise_records(rest, name, system, first_row=spec.num_prompts))
+    return to_dataset(normalise_records(rest, name, system, first_row=spec.num_prompts, for_hints=False))
 
 
 def load_benchmark(source: str, limit: int | None = None, system_prompt: str | None = None,
@@ -598,11 +600,11 @@ def load_benchmark(source: str, limit: int | None = None, system_prompt: str | N
     """A benchmark's rows: a file as it is; a dataset folder or HF name (NAME[:CONFIG]) from the first of `splits`
     it has (MATH-500 has only 'test', some AIME sets only 'train'); a MissingSplit (a DataError) where it has none."""
     if Path(source).expanduser().is_file():
-        return load_rows(source, limit=limit, system_prompt=system_prompt)
+        return load_rows(source, limit=limit, system_prompt=system_prompt, for_hints=False)
     missing: list[MissingSplit] = []
     for split in splits:
         try:
-            return load_rows(source, split=split, limit=limit, system_prompt=system_prompt)
+            return load_rows(source, split=split, limit=limit, system_prompt=system_prompt, for_hints=False)
         except MissingSplit as e:
             missing.append(e)
     raise MissingSplit(f"{source}: no {' or '.join(map(repr, splits))} split for evaluation ({missing[-1].__cause__})")

@@ -39,7 +39,7 @@ def _as_rows(rows: Any, name: str = "rows") -> list[dict[str, Any]]:
     if all(is_normalised(r) for r in out):
         check_unique(out, name)
         return out
-    return normalise_records(out, name)  # raises DataError on a row without an answer, or on shared prompt ids
+    return normalise_records(out, name, for_hints=False)  # DataError on a row without an answer, on shared ids
 
 
 def _messages(row: Mapping[str, Any]) -> list[dict[str, str]]:

@@ -171,6 +171,10 @@ def test_load_jsonl_problem_only_and_missing_solution_warns(tmp_path):
     with pytest.warns(UserWarning):
         assert rows[0]["prompt_id"] == list(load_rows(str(path)))[0]["prompt_id"]
     assert rows[0]["prompt_id"] != rows[1]["prompt_id"]
+    # as a benchmark (evaluated, never hinted) the missing solutions are nothing to warn about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(data.load_benchmark(str(path)))[0]["prompt_id"] == rows[0]["prompt_id"]
 
 
 def test_load_json_list_with_limit_and_string_prompts(tmp_path):
