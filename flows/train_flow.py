@@ -61,21 +61,20 @@ def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict
                  evaluate_before: bool, evaluate_after: bool, force: bool, launcher: str,
                  parent_run_id: str | None, variant: str | None, preset: str | None) -> dict[str, Any]:
     """The body of `sage-train` (also the per-variant body of `hint-study`). Returns the run's result row."""
-    logger = get_run_logger()
-    key = spec.key()
     # the lock is on the spec's own folder (a forced run's: its fresh one), taken before folder_for looks at it:
     # two flow runs that would each be given a fresh folder (run_dir holds another spec) wait for each other too
     base = run_dir(experiment, label, spec, fresh=force)
-    with run_folder_lock(base, label, logger):  # a second flow run of this spec waits here, then finds it finished
+    with run_folder_lock(base, label, get_run_logger()):  # a second flow run of this spec waits, then finds it done
         out = base if force else folder_for(experiment, label, spec)
-        return _run_training_locked(spec, out, key, logger, experiment=experiment, label=label,
-                                    benchmarks=benchmarks, evaluate_before=evaluate_before,
-                                    evaluate_after=evaluate_after, force=force, launcher=launcher,
-                                    parent_run_id=parent_run_id, variant=variant, preset=preset)
+        return _run_training_locked(spec, out, experiment=experiment, label=label, benchmarks=benchmarks,
+                                    evaluate_before=evaluate_before, evaluate_after=evaluate_after, force=force,
+                                    launcher=launcher, parent_run_id=parent_run_id, variant=variant, preset=preset)
 
 
-def _run_training_locked(spec, out, key, logger, *, experiment, label, benchmarks, evaluate_before, evaluate_after,
-                         force, launcher, parent_run_id, variant, preset):
+def _run_training_locked(spec, out, *, experiment, label, benchmarks, evaluate_before, evaluate_after, force,
+                         launcher, parent_run_id, variant, preset):
+    logger = get_run_logger()
+    key = spec.key()
     if not force:
         done = tracking.find_finished_run(key, experiment, kind="train", parent_run_id=parent_run_id)
         if done is not None:
