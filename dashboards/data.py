@@ -598,18 +598,16 @@ def variant_color(order: list[str]):
     import altair as alt
 
     extra = ["#8c564b", "#e377c2", "#bcbd22", "#17becf", "#d62728"]
-    colors = [VARIANT_COLORS[VARIANT_ORDER.index(_base(v))] if _base(v) in VARIANT_ORDER else extra[i % len(extra)]
+    colors = [VARIANT_COLORS[r] if (r := variant_rank(v)) < len(VARIANT_ORDER) else extra[i % len(extra)]
               for i, v in enumerate(order)]
     return alt.Scale(domain=list(order), range=colors)
 
 
-def _base(label: str) -> str:
-    """A variant label without the run name the Variants page adds to tell runs of one variant apart."""
-    return str(label).split(" · ", 1)[0]
-
-
 def variant_rank(label: str) -> int:
-    return VARIANT_ORDER.index(_base(label)) if _base(label) in VARIANT_ORDER else len(VARIANT_ORDER)
+    """The variant's place in VARIANT_ORDER (after them all when it is none of them), read without the run name the
+    Variants page adds to tell runs of one variant apart ("GRPO · grpo-s1")."""
+    base = str(label).split(" · ", 1)[0]
+    return VARIANT_ORDER.index(base) if base in VARIANT_ORDER else len(VARIANT_ORDER)
 
 
 def compare_url(run_ids: list[str], experiment_ids: list[str], base: str | None = None) -> str:
