@@ -360,8 +360,9 @@ def cmd_hints(args: argparse.Namespace) -> int:
     ids, another problem under one id) are never dropped: they stay in FILE.partial.jsonl and go on into FILE.jsonl
     (one hints file holds hints for several problems, told apart by problem_sha); one without problem_sha under
     this spec's prompt ids is asked again and replaced (training would take it for this spec's problem). Where the
-    teacher gave no answer for some hints, FILE.jsonl is not written (one already there stays as it was),
-    FILE.partial.jsonl keeps the others and the command exits 1."""
+    teacher gave no answer for some hints, or every hint it wrote leaked the answer, FILE.jsonl is not written (one
+    already there stays as it was), FILE.partial.jsonl keeps the others and the command exits 1. An endpoint is
+    checked before the first request (up, serving the model, taking the API key)."""
     spec = build_spec(args.preset, args.spec, args.set)
     teacher = args.teacher or spec.teacher
     if not teacher:
@@ -414,7 +415,8 @@ def cmd_hints(args: argparse.Namespace) -> int:
     def save() -> None:  # this spec's hints, each with its problem_sha, and every hint kept for other problems
         write_hints(partial, [(pid, lv, text, shas[pid]) for (pid, lv), text in done.items()] + kept)
 
-    source = TeacherHints(teacher, args.teacher_model or spec.teacher_model, spec.hint_max_tokens)
+    # checked (an endpoint asked) only where there is something to ask it
+    source = TeacherHints(teacher, args.teacher_model or spec.teacher_model, spec.hint_max_tokens) if reqs else None
 
     def no_policy(*_):
         raise AssertionError("the teacher writes every hint")
@@ -442,6 +444,12 @@ def cmd_hints(args: argparse.Namespace) -> int:
               f"written, the {len(done)} hints written" + (f" and the {len(kept)} for other problems" if kept else "")
               + f" are kept in {partial}: run the same command again to ask only for the hints not there "
               f"({failed} failed, {leaked} leaked)", file=sys.stderr)
+        return 1
+    if leaked and leaked == len(reqs):  # a file with none of the hints asked for is no teacher's hints file
+        print(f"sage hints: every one of the {len(reqs)} hints asked for leaked (the teacher wrote the answer into "
+              f"each of its {1 + spec.hint_retries} samples; see the table above): {out} was not written"
+              + (f", the {len(done)} hints written before are kept in {partial}" if done else "")
+              + "; ask for lower --levels, or use another teacher", file=sys.stderr)
         return 1
     save()  # once more (also when nothing was asked), so every row of this spec carries its problem_sha
     partial.replace(out)

@@ -15,7 +15,10 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import re
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -27,8 +30,9 @@ from .prompts import LEVELS, chat, hint_request
 log = logging.getLogger(__name__)
 
 # generate(chat_prompts, max_new_tokens, temperature) -> completion texts, one per prompt (collective-safe in the
-# trainer); temperature 0 means greedy
-GenerateFn = Callable[[list[list[dict]], int, float], list[str]]
+# trainer); temperature 0 means greedy. None for a prompt the model gave no answer to (a teacher endpoint down, a
+# request over its context): that hint fails, and is not asked for again in the same sample_hints
+GenerateFn = Callable[[list[list[dict]], int, float], list[str | None]]
 
 
 @dataclass(frozen=True)
@@ -68,20 +72,23 @@ class HintContext:
 # ----------------------------------------------------------------------------------------------- leak guard
 def _clean(s: str) -> str:
     """Typesetting that does not change a LaTeX expression removed ($, \\left/\\right, thin spaces), \\dfrac and
-    \\tfrac written \\frac, whitespace collapsed: the form answers and hints are compared in."""
+    \\tfrac written \\frac, the Unicode minus written -, whitespace collapsed: the form answers and hints are
+    compared in."""
     s = re.sub(r"\$|\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:!]", "", s)
-    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\\[dt]frac", r"\\frac", s).replace(MINUS, "-")
     return re.sub(r"\s+", " ", s).strip().rstrip(".")
 
 
+MINUS = "\u2212"  # the Unicode minus sign, as some models write -3: read as "-"
 _TEXT = r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"  # \text{cm}: words inside maths
 
 
 # A number in a hint or an answer: \frac{a}{b} (also \dfrac, \tfrac; a one-digit argument may go without braces, as
-# in \frac12), a/b written without spaces, 1,234 with thousands separators, or a plain integer or decimal (.5 too);
-# a sign only where it cannot be a subtraction ("12-3" is 12 and 3).
+# in \frac12), a/b written without spaces (also before a sentence's period or comma: "it is 1/2."), 1,234 with
+# thousands separators, or a plain integer or decimal (.5 too); a sign only where it cannot be a subtraction ("12-3"
+# is 12 and 3).
 _NUMBER = re.compile(r"(-?)\\[dt]?frac\s*(\{\s*-?\d+\s*\}|\d)\s*(\{\s*\d+\s*\}|\d)"
-                     r"|(?<![\w.,/])(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)(?![\w.,/])"
+                     r"|(?<![\w.,/])(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)(?![\w/]|[.,]\d)"
                      r"|(?<![\w.,])(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?)(?!\d)"
                      r"|(?<![\w.])(-?(?:\d+(?:\.\d+)?|\.\d+))")
 
@@ -202,11 +209,34 @@ def _mentions(text: str, answer: str) -> bool:
     return re.search(pattern, text) is not None
 
 
+# What may be a numbered list's label: 1-2 digits and "." or ")" (also "(2)") before a word, at the start of the hint
+# or of a line (clean_hint keeps a list item on its own line) or after a sentence's end.
+_LIST_LABEL = re.compile(r"(?:(?P<line>^)|(?<=[.!?]\s))[ \t]*\(?(?P<n>\d{1,2})[.)](?=[ \t]+[A-Za-z])", re.MULTILINE)
+
+
+def _drop_list_labels(hint: str) -> str:
+    """The hint less its list labels: a 1 at the start of a line, and each next number (2 after 1, 3 after 2) where
+    _LIST_LABEL may find a label. Only a list counts, so "The total is 2. Check it.", "Add: 2. Then double" and
+    "Add 7 and 5. 12. Then halve it" keep their quantities."""
+    last = 0
+
+    def label(m: re.Match) -> str:
+        nonlocal last
+        n = int(m["n"])
+        if n == 1 and m["line"] is not None or last and n == last + 1:
+            last = n
+            return ""
+        return m[0]
+
+    return _LIST_LABEL.sub(label, hint)
+
+
 def _quantities(hint: str) -> str:
-    """The hint as the numeric leak check reads it: LaTeX digit grouping written plainly (10{,}000, 10,\\!000 and
-    10\\,000 are 10,000), and the numbers that name no quantity left out: exponents and subscripts (x^2, 3^{4},
-    a_1) and step numbers (Step 2)."""
-    h = re.sub(r"\{,\}", ",", hint)
+    """The hint as the numeric leak check reads it: the Unicode minus written -, LaTeX digit grouping written plainly
+    (10{,}000, 10,\\!000 and 10\\,000 are 10,000), and the numbers that name no quantity left out: exponents and
+    subscripts (x^2, 3^{4}, a_1), step numbers (Step 2) and list labels (1. Let n be ...)."""
+    h = _drop_list_labels(hint.replace(MINUS, "-"))
+    h = re.sub(r"\{,\}", ",", h)
     h = re.sub(r"(?<=\d),?\\[,!;:]\s*(?=\d{3}(?!\d))", ",", h)
     h = re.sub(r"[\^_]\s*(?:\{[^{}]*\}|-?\d+(?:\.\d+)?)", "p", h)  # a letter: x^2-4 stays a subtraction
     return re.sub(r"\b([Ss]tep)\s+\d+\s*(?=[:.)])", r"\1", h)  # a label (Step 2:), not 5 steps 20 times
@@ -234,10 +264,11 @@ def leaks(hint: str, answer: str) -> bool:
 
 def clean_hint(text: str) -> str:
     """The hint as written, whitespace stripped: its first six non-empty lines, joined by spaces (a hint cut at
-    hint_max_tokens keeps its last, unfinished words)."""
-    text = text.strip()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return " ".join(lines[:6])
+    hint_max_tokens keeps its last, unfinished words), except that an item of a numbered list keeps its own line: the
+    leak guard reads its label (1., 2)) as a label, not as a quantity, also where the item before ends without a
+    period."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()][:6]
+    return "".join(("\n" if i and _LIST_LABEL.match(ln) else " " if i else "") + ln for i, ln in enumerate(lines))
 
 
 def request_prompt(req: HintRequest) -> list[dict]:
@@ -262,15 +293,20 @@ class HintSource:
 
 def sample_hints(requests: Sequence[HintRequest], ctx: HintContext) -> list[HintResult]:
     """Ask the model for each hint (at ctx.temperature); resample the ones that leaked or came back empty, up to
-    ctx.retries times (at ctx.retry_temperature). Always makes 1 + retries generate calls (some maybe empty), so
-    every process makes the same calls."""
+    ctx.retries times (at ctx.retry_temperature). One the model gave no answer to (None: the endpoint is down, it
+    was tried there already) fails at once: asking again would only wait on it again. Always makes 1 + retries
+    generate calls (some maybe empty), so every process makes the same calls."""
     results = [HintResult(None) for _ in requests]
+    unanswered: set[int] = set()
     for attempt in range(1 + ctx.retries):
-        todo = [i for i, r in enumerate(results) if r.text is None]
+        todo = [i for i, r in enumerate(results) if r.text is None and i not in unanswered]
         temperature = ctx.temperature if attempt == 0 else ctx.retry_temperature
         texts = ctx.generate([request_prompt(requests[i]) for i in todo], ctx.max_new_tokens, temperature)
         for i, raw in zip(todo, texts, strict=True):
             results[i].attempts += 1
+            if raw is None:
+                unanswered.add(i)
+                continue
             text = clean_hint(raw)
             if not text:
                 continue
@@ -361,7 +397,8 @@ class FixedHints(CachedHints):
 class TeacherHints(CachedHints):
     """Hints from another model. `teacher` is a hints file (.jsonl/.parquet with prompt_id, level, hint and, where
     `sage hints` wrote it, problem_sha), an OpenAI-compatible base URL (http[s]://host/v1; `model` names the served
-    model), or a local model path."""
+    model; checked when the source is built, see _check_endpoint; an API key from SAGE_TEACHER_API_KEY or
+    OPENAI_API_KEY), or a local model path."""
 
     name = "teacher"
 
@@ -426,72 +463,219 @@ class TeacherHints(CachedHints):
 
 
 class TeacherError(RuntimeError):
-    """The teacher endpoint refused a request for a reason retrying cannot mend (a wrong model name, a bad key)."""
+    """The teacher endpoint cannot write hints for a reason retrying cannot mend (nothing listens at the URL, a wrong
+    model name, a missing or refused API key)."""
 
 
 TEACHER_CONCURRENCY = 16  # requests in flight to an OpenAI-compatible teacher (a vLLM server batches them)
-TEACHER_ATTEMPTS = 3  # tries of one request on a transient failure (no connection, timeout, 429, 5xx)
+TEACHER_ATTEMPTS = 3  # tries of one request on a transient failure (no connection, 429, 5xx, a reply that is no
+# chat completion, as a proxy's HTML page)
+TEACHER_TIMEOUT = 120.0  # seconds one hint request may take, its tries included: a hung or trickling server is cut off
+TEACHER_PROBE_TIMEOUT = 10.0  # seconds for each try of the check made when the source is built
+TEACHER_KEY_VARS = ("SAGE_TEACHER_API_KEY", "OPENAI_API_KEY")  # where the endpoint's API key is read from, in order
 
 
-def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHER_CONCURRENCY,
-                     attempts: int = TEACHER_ATTEMPTS, backoff: float = 1.0, timeout: float = 120.0) -> GenerateFn:
-    """Chat completions from an OpenAI-compatible endpoint, `concurrency` requests at a time. A transient failure is
-    retried (`attempts` tries, waiting backoff, 2 x backoff, ...); one that persists gives an empty hint, which the
-    hint sampler resamples and then records as a failed hint: training goes on without it, on every process
-    alike, as does one the server refuses as longer than its context. Another refusal that retrying cannot mend (4xx
-    other than 429) raises TeacherError naming the status."""
-    import time
-    from concurrent.futures import ThreadPoolExecutor
+def _teacher_key() -> tuple[str | None, str | None]:
+    """(the environment variable, the API key) sent to a teacher endpoint as a bearer token; (None, None) where none
+    is set. Read from the environment only, so a key never goes into a spec, its spec.json, a log or MLflow."""
+    for var in TEACHER_KEY_VARS:
+        if key := os.environ.get(var, "").strip():
+            return var, key
+    return None, None
 
+
+def _send(client, method: str, url: str, deadline: float, body: dict | None = None) -> tuple[int, str]:
+    """One HTTP request's status and text, cut off at `deadline` (time.monotonic()): httpx's timeout bounds each read
+    alone, so a server that trickles its reply would hold the request for ever. Raises an httpx.TransportError (a
+    timeout past the deadline)."""
     import httpx
 
-    url = base_url.rstrip("/") + "/chat/completions"
-    client = httpx.Client(timeout=timeout)
-    too_long: list[int] = []  # requests the server found over its context (warned about once)
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise httpx.TimeoutException("no time left")
+    with client.stream(method, url, json=body, timeout=left) as resp:
+        data = bytearray()
+        for chunk in resp.iter_bytes():
+            data += chunk
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout("the reply was still coming at the deadline")
+        return resp.status_code, data.decode(errors="replace")
 
-    def one(messages: list[dict], max_new_tokens: int, temperature: float) -> str:
+
+def _refusal(url: str, base_url: str, model: str | None, status: int, text: str,
+             served: list[str] | None = None) -> TeacherError:
+    """The error for a request the endpoint refused (a 4xx): what to change, by what the refusal says."""
+    said = f"teacher endpoint {url} refused the request: HTTP {status}: {text[:300]}"
+    if status in (401, 403):
+        var, _ = _teacher_key()
+        return TeacherError(f"{said} (the endpoint's API key is read from {var}: is it the right key?)" if var else
+                            f"{said} (the endpoint wants an API key: set {TEACHER_KEY_VARS[0]} or "
+                            f"{TEACHER_KEY_VARS[1]} to it)")
+    if served is not None:
+        return TeacherError(f"{said} (the endpoint serves {served}, not {model or 'default'!r}"
+                            + ("" if model else ", sent because teacher_model is not set")
+                            + ": set teacher_model to one of them)")
+    if status == 404 and "model" not in text.lower():  # no such path, not no such model
+        return TeacherError(f"{said} (no chat completions at that URL: the teacher URL is the OpenAI-compatible base "
+                            f"URL, which ends in /v1, e.g. http://host:8000/v1; got {base_url})")
+    return TeacherError(f"{said} (model {model or 'default'!r}; set teacher_model to the served model's name)")
+
+
+def _served_models(text: str) -> list[str] | None:
+    """The model ids in a /models reply ({"data": [{"id": ...}, ...]}); None for a reply that lists none."""
+    try:
+        ids = [m["id"] for m in json.loads(text)["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return ids or None
+
+
+def _check_endpoint(client, base_url: str, model: str | None, attempts: int, backoff: float) -> None:
+    """Asked once when the source is built, before the policy loads: an endpoint that is not there, wants another
+    API key or does not serve `model` would otherwise turn the run into GRPO with every hint failed. GET /models
+    names the served models; where it cannot (no such path) or does not list `model`, a one-token chat completion
+    decides (a server that takes any name passes). No connection, 429, 502, 503 and 504 are tried `attempts` times
+    (a server still starting); other replies are answers. Raises TeacherError saying what to change."""
+    import httpx
+
+    base, want = base_url.rstrip("/"), model or "default"
+
+    def ask(method: str, path: str, body: dict | None = None) -> tuple[int, str]:
         last = ""
         for attempt in range(attempts):
             if attempt:
                 time.sleep(backoff * 2 ** (attempt - 1))
             try:
-                resp = client.post(url, json={"model": model or "default", "messages": messages,
-                                              "max_tokens": max_new_tokens, "temperature": temperature})
-            except httpx.TransportError as e:  # no connection, timeout
+                status, text = _send(client, method, base + path, time.monotonic() + TEACHER_PROBE_TIMEOUT, body)
+            except httpx.TransportError as e:
                 last = f"{type(e).__name__}: {e}"
                 continue
-            if resp.status_code == 429 or resp.status_code >= 500:
-                last = f"HTTP {resp.status_code}"
+            if status in (429, 502, 503, 504):
+                last = f"HTTP {status}: {text[:200]}"
                 continue
-            if resp.status_code == 404 and "model" not in resp.text.lower():  # no such path, not no such model
-                raise TeacherError(f"teacher endpoint {url} refused the request: HTTP 404: {resp.text[:300]} (no "
-                                   "chat completions at that URL: the teacher URL is the OpenAI-compatible base URL, "
-                                   f"which ends in /v1, e.g. http://host:8000/v1; got {base_url})")
-            if resp.status_code == 400 and "maximum context length" in resp.text.lower():
+            return status, text
+        raise TeacherError(f"teacher endpoint {base_url} gives no answer to {method} {base + path} ({attempts} tries, "
+                           f"the last: {last}): is the server up, and at that host and port?")
+
+    status, text = ask("GET", "/models")
+    if status in (401, 403):
+        raise _refusal(base + "/models", base_url, model, status, text)
+    served = _served_models(text) if status < 300 else None
+    if served is not None and want in served:
+        return
+    status, text = ask("POST", "/chat/completions", {"model": want, "messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 1, "temperature": 0.0})
+    if status >= 500:
+        raise TeacherError(f"teacher endpoint {base_url} fails a one-token chat completion: HTTP {status}: "
+                           f"{text[:300]}")
+    if status >= 400:
+        raise _refusal(base + "/chat/completions", base_url, model, status, text,
+                       served if status in (400, 404) else None)
+
+
+@dataclass
+class _Call:
+    """One generate call's requests to the endpoint: once the first `wave` of them all went unanswered (the endpoint
+    is down) and none was answered, the others fail without being sent."""
+
+    wave: int
+    gave_up: int = 0
+    skipped: int = 0
+    answered: bool = False
+    last: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def dead(self) -> bool:
+        return not self.answered and self.gave_up >= self.wave
+
+    def give_up(self, reason: str) -> None:
+        with self.lock:
+            self.gave_up += 1
+            self.last = reason
+
+    def skip(self) -> bool:
+        """True (and counted) when this request is not to be sent."""
+        with self.lock:
+            self.skipped += self.dead
+            return self.dead
+
+
+def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHER_CONCURRENCY,
+                     attempts: int = TEACHER_ATTEMPTS, backoff: float = 1.0,
+                     timeout: float = TEACHER_TIMEOUT) -> GenerateFn:
+    """Chat completions from an OpenAI-compatible endpoint, `concurrency` requests at a time, with the API key of
+    _teacher_key as a bearer token; the endpoint is checked first (_check_endpoint). A transient failure is retried
+    (`attempts` tries, waiting backoff, 2 x backoff, ...; `timeout` seconds for a request, its tries included); one
+    that persists gives None, a failed hint the hint sampler does not ask again for (an empty reply is resampled):
+    training goes on without it, on every process alike, as does one the server refuses as longer than its context
+    (not retried). Where the first wave of a call's requests all go unanswered, the rest of that call fail at once.
+    Another refusal that retrying cannot mend (4xx other than 429) raises TeacherError naming the status."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    url = base_url.rstrip("/") + "/chat/completions"
+    _, key = _teacher_key()
+    client = httpx.Client(headers={"Authorization": f"Bearer {key}"} if key else None)
+    _check_endpoint(client, base_url, model, attempts, backoff)
+    too_long: list[int] = []  # requests the server found over its context (warned about once)
+
+    def one(messages: list[dict], max_new_tokens: int, temperature: float, call: _Call) -> str | None:
+        deadline, last = time.monotonic() + timeout, ""
+        body = {"model": model or "default", "messages": messages, "max_tokens": max_new_tokens,
+                "temperature": temperature}
+        if call.skip():
+            return None
+        for attempt in range(attempts):
+            if attempt:
+                wait = backoff * 2 ** (attempt - 1)
+                if call.dead or time.monotonic() + wait >= deadline:
+                    break
+                time.sleep(wait)
+            try:
+                status, text = _send(client, "POST", url, deadline, body)
+            except httpx.TransportError as e:  # no connection, no whole reply in time
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if status == 429 or status >= 500:
+                last = f"HTTP {status}"
+                continue
+            if status == 400 and "maximum context length" in text.lower():
                 # vLLM's and OpenAI's words for a request (problem, solution and max_tokens) over the served
                 # context: this request's failure, as a policy hint request without room is (not the teacher's)
+                call.answered = True
                 if not too_long:
                     log.warning("teacher endpoint %s: a hint request does not fit the served model's context (%s); "
                                 "such hints count as failed (serve it with a larger --max-model-len, or lower "
-                                "hint_max_tokens)", url, resp.text[:200])
+                                "hint_max_tokens)", url, text[:200])
                 too_long.append(1)
-                return ""
-            if resp.status_code >= 400:
-                raise TeacherError(f"teacher endpoint {url} refused the request: HTTP {resp.status_code}: "
-                                   f"{resp.text[:300]} (model {model or 'default'!r}; set teacher_model to the "
-                                   "served model's name)")
-            try:
-                return resp.json()["choices"][0]["message"]["content"] or ""
+                return None
+            if status >= 400:
+                raise _refusal(url, base_url, model, status, text)
+            try:  # a proxy's HTML page, a cut reply, no choices: as a 5xx
+                content = json.loads(text)["choices"][0]["message"]["content"]
+                if not isinstance(content, str | None):
+                    raise TypeError(type(content).__name__)
             except (ValueError, KeyError, IndexError, TypeError) as e:
-                raise TeacherError(f"teacher endpoint {url}: not a chat completion ({type(e).__name__}): "
-                                   f"{resp.text[:300]}") from None
-        log.warning("teacher endpoint %s: no answer after %d tries (%s); this hint counts as failed", url, attempts,
-                    last)
-        return ""
+                last = f"HTTP 200, not a chat completion ({type(e).__name__}): {text[:100]!r}"
+                continue
+            call.answered = True
+            return content or ""
+        call.give_up(last or f"no whole reply in {timeout:g}s")
+        return None
 
     def generate(prompts, max_new_tokens, temperature):
-        with ThreadPoolExecutor(max(1, min(concurrency, len(prompts)))) as pool:
-            return list(pool.map(lambda m: one(m, max_new_tokens, temperature), prompts))
+        call = _Call(wave=min(concurrency, len(prompts)))
+        with ThreadPoolExecutor(max(1, call.wave)) as pool:
+            out = list(pool.map(lambda m: one(m, max_new_tokens, temperature, call), prompts))
+        if call.gave_up or call.skipped:  # once a call, not once a request
+            log.warning("teacher endpoint %s: %d of %d hint requests got no answer (each tried up to %d times within "
+                        "%gs; the last failure: %s)%s; those hints count as failed", url, call.gave_up + call.skipped,
+                        len(prompts), attempts, timeout, call.last,
+                        f"; the first {call.wave} all went unanswered, so {call.skipped} were not sent"
+                        if call.skipped else "")
+        return out
 
     return generate
 
@@ -564,8 +748,9 @@ def read_hint_variants(path: Path) -> HintVariants:
     """The hints of a hints file by (prompt id, level), each by the problem_sha its row carries (None: none). One
     file may hold hints for several problems under one prompt id (`sage hints` outputs of several specs joined:
     synthetic ids repeat across difficulties). Bad rows raise a DataError naming the row (counted from 0) or, for a
-    line that is not JSON, the line (counted from 1); so do two different hints for one prompt, level and problem. A
-    null or blank hint is a missing one (counted in a warning), never an empty hint that would be used."""
+    line that is not JSON, the line (counted from 1); so do a null prompt id, a level of true/false, a hint that is not
+    text (5, a list: it would be used as its repr) and two different hints for one prompt, level and problem. A null
+    or blank hint is a missing one (counted in a warning), never an empty hint that would be used."""
     records, _ = read_records(str(path), "hints")  # .jsonl, .json or .parquet, with the data loader's errors
     out: HintVariants = {}
     blank = 0
@@ -573,9 +758,12 @@ def read_hint_variants(path: Path) -> HintVariants:
         missing = {"prompt_id", "level", "hint"} - set(rec)
         if missing:
             raise DataError(f"{path}: row {i} lacks {sorted(missing)} (has {sorted(rec)})")
+        pid = rec["prompt_id"]
+        if isinstance(pid, (bool, list, dict)) or _is_blank(pid):
+            raise DataError(f"{path}: row {i} has prompt_id {pid!r:.80}; a prompt id is a string or a number")
         try:
             level = int(rec["level"])
-            ok = level in LEVELS and level == float(rec["level"])
+            ok = level in LEVELS and level == float(rec["level"]) and not isinstance(rec["level"], bool)
         except (TypeError, ValueError):
             ok = False
         if not ok:
@@ -583,7 +771,10 @@ def read_hint_variants(path: Path) -> HintVariants:
         if _is_blank(rec["hint"]):
             blank += 1
             continue
-        key, text = (str(rec["prompt_id"]), level), str(rec["hint"])
+        if not isinstance(rec["hint"], str):
+            raise DataError(f"{path}: row {i} has hint {rec['hint']!r:.80} ({type(rec['hint']).__name__}); a hint is a "
+                            "string")
+        key, text = (str(pid), level), rec["hint"]
         sha = None if _is_blank(rec.get("problem_sha")) else str(rec["problem_sha"])
         variants = out.setdefault(key, {})
         if variants.setdefault(sha, text) != text:

@@ -5,8 +5,9 @@ import json
 import pytest
 
 from sage_core.data import DataError
-from sage_core.hints import (FixedHints, HintContext, HintRequest, OnlineHints, TeacherError, TeacherHints, leaks,
-                             problem_sha, read_hint_variants, read_hints, request_prompt, sample_hints, write_hints)
+from sage_core.hints import (FixedHints, HintContext, HintRequest, OnlineHints, TeacherError, TeacherHints, clean_hint,
+                             leaks, problem_sha, read_hint_variants, read_hints, request_prompt, sample_hints,
+                             write_hints)
 from sage_core.prompts import hint_request, hinted_problem
 
 
@@ -113,6 +114,27 @@ def req(pid="p1", level=3, answer="9"):
     ("He walks 5 steps 20 times in all.", "20", True),
     ("so option B is right", "B", True),
     ("so the answer is C", "\\text{(C)}", True),
+    # a fraction at a sentence's end or before a comma is still a fraction; 1/2.5 is still 1 over 2.5
+    ("Halve it: 1/2.", "0.5", True),
+    ("The answer is 1/2.", "\\frac{1}{2}", True),
+    ("The answer is 3/4, so check it.", "0.75", True),
+    ("The answer is -1/2.", "-\\frac{1}{2}", True),
+    ("it is 1/2.5 of it", "0.4", True),
+    ("it is 1/2.5 of it", "0.5", False),
+    # a numbered list's labels are no quantities (also joined into one line), a number before a period still is
+    ("1. Let n be the number.\n2. Write an equation.\n3. Solve it.", "2", False),
+    ("1. Let n be the number. 2. Write an equation. 3. Solve it.", "2", False),
+    ("1) Let n be it.\n2) Write it", "2", False),
+    ("1. Let n be the number\n2. Write an equation\n3. Solve it", "2", False),
+    ("The total is 2. Check it.", "2", True),
+    ("Add: 2. Then double", "2", True),
+    ("Add 7 and 5. 12. Then halve it.", "12", True),
+    ("1. The total is 2. Then double it.", "2", True),
+    # the Unicode minus sign
+    ("The result is \u22123.", "-3", True),
+    ("x = -3", "\u22123", True),
+    ("12\u22123 first", "-3", False),
+    ("The result is 3.", "\u22123", False),
 ])
 def test_leak_guard(hint, answer, leak):
     assert leaks(hint, answer) is leak
@@ -404,35 +426,52 @@ def test_hints_parquet_reads_back_and_a_corrupt_one_is_a_data_error(tmp_path):
 
 class _ChatEndpoint:
     """A real loopback HTTP server speaking the chat-completions protocol of an OpenAI-compatible teacher (vllm
-    serve): `answer(body) -> (status, reply text)` decides each reply; every request body and the most requests in
-    flight at once are recorded."""
+    serve): `answer(body) -> (status, reply text)` decides each reply (a text given as bytes is sent as the whole
+    body, as a proxy's HTML page; a callable answer writes the reply itself); GET /v1/models lists `models` (None:
+    404, a server without that path). Every chat request body, every request's Authorization header and the most
+    requests in flight at once are recorded."""
 
-    def __init__(self, answer):
+    def __init__(self, answer, models=("default",)):
         import http.server
         import threading
         import time
 
-        self.bodies, self.in_flight, self.most = [], 0, 0
+        self.bodies, self.auth, self.in_flight, self.most = [], [], 0, 0
         lock, outer = threading.Lock(), self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with lock:
-                    outer.bodies.append(body)
-                    outer.in_flight += 1
-                    outer.most = max(outer.most, outer.in_flight)
-                time.sleep(0.05)
-                status, text = answer(body) if self.path == "/v1/chat/completions" else (404, "no such path")
-                with lock:
-                    outer.in_flight -= 1
-                reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}
-                                   if status == 200 else {"error": text}).encode()
+            def send(self, status, reply):
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
                 self.wfile.write(reply)
+
+            def do_GET(self):
+                with lock:
+                    outer.auth.append((self.path, self.headers.get("Authorization")))
+                if self.path == "/v1/models" and models is not None:
+                    return self.send(200, json.dumps({"object": "list", "data": [{"id": m, "object": "model"}
+                                                                                 for m in models]}).encode())
+                self.send(404, b'{"detail": "Not Found"}')
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    outer.bodies.append(body)
+                    outer.auth.append((self.path, self.headers.get("Authorization")))
+                    outer.in_flight += 1
+                    outer.most = max(outer.most, outer.in_flight)
+                time.sleep(0.05)
+                reply = answer(body) if self.path == "/v1/chat/completions" else (404, "no such path")
+                with lock:
+                    outer.in_flight -= 1
+                if callable(reply):
+                    return reply(self)
+                status, text = reply
+                self.send(status, text if isinstance(text, bytes) else json.dumps(
+                    {"choices": [{"message": {"role": "assistant", "content": text}}]} if status == 200
+                    else {"error": text}).encode())
 
             def log_message(self, *a):
                 pass
@@ -446,6 +485,7 @@ class _ChatEndpoint:
 
     def __exit__(self, *exc):
         self.server.shutdown()
+        self.server.server_close()
 
 
 def _fast_retries(monkeypatch):
@@ -471,7 +511,7 @@ def test_endpoint_teacher_asks_concurrently_and_retries_transient_failures(monke
 
     reqs = [HintRequest(f"p{i}", f"Ann has {i} coins . She gets 5 more . She gives away {i % 4} .", "", "9", lvl)
             for i in range(8) for lvl in (1, 2)]
-    with _ChatEndpoint(answer) as teacher:
+    with _ChatEndpoint(answer, models=["qwen-teacher"]) as teacher:
         src = TeacherHints(teacher.url, model="qwen-teacher", max_new_tokens=32)
         got = src.get(reqs, HintContext(generate=ScriptedModel([]), retries=1))
         asked = len(teacher.bodies)
@@ -493,8 +533,9 @@ def test_endpoint_teacher_that_stays_down_fails_the_hints_and_one_that_refuses_s
     with _ChatEndpoint(lambda body: (503, "overloaded")) as down:
         got = TeacherHints(down.url).get(reqs, HintContext(generate=ScriptedModel([]), retries=1))
     assert [r.failed for r in got] == [True, True] and not any(r.leaked for r in got)
-    assert len(down.bodies) == 2 * 2 * 3  # 2 hints x (1 + 1 resample) x 3 tries each
-    assert "no answer after 3 tries (HTTP 503)" in caplog.text
+    assert len(down.bodies) == 2 * 3  # 2 hints x 3 tries each; a hint the endpoint never answered is not resampled
+    assert ("2 of 2 hint requests got no answer (each tried up to 3 times within 120s; the last failure: HTTP 503)"
+            in caplog.text)
     with _ChatEndpoint(lambda body: (400, "model 'default' does not exist")) as wrong, pytest.raises(
             TeacherError, match=r"HTTP 400: .*model 'default' does not exist.*set teacher_model"):
         TeacherHints(wrong.url).get(reqs, HintContext(generate=ScriptedModel([])))
@@ -505,7 +546,7 @@ def test_endpoint_teacher_that_stays_down_fails_the_hints_and_one_that_refuses_s
                 "messages, 64 in the completion). Please reduce the length of the messages or completion.")
     with _ChatEndpoint(lambda body: (400, json.dumps({"object": "error", "message": too_long}))) as small:
         got = TeacherHints(small.url).get(reqs, HintContext(generate=ScriptedModel([]), retries=1))
-    assert [r.failed for r in got] == [True, True] and len(small.bodies) == 2 * 2  # not retried, resampled once
+    assert [r.failed for r in got] == [True, True] and len(small.bodies) == 2  # neither retried nor resampled
     assert caplog.text.count("does not fit the served model's context") == 1
 
 
@@ -597,10 +638,10 @@ def test_sage_hints_with_failed_hints_exits_1_keeping_the_partial_file_and_the_o
     write_hints(out, [("syn-0-0", 1, "a good hint .")])
     good = out.read_text()
     args = ["hints", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--out", str(out), "--force"]
-    assert cli.main([*args, "--teacher", "http://127.0.0.1:9/v1"]) == 1  # nothing listens there
+    assert cli.main([*args, "--teacher", "http://127.0.0.1:9/v1"]) == 2  # nothing listens there: found at once
     err = capsys.readouterr().err
-    assert "sage hints: 6 of 6 hints failed" in err and "run the same command again" in err
-    assert out.read_text() == good and partial.exists() and read_hints(partial) == {}
+    assert "teacher endpoint http://127.0.0.1:9/v1 gives no answer to GET http://127.0.0.1:9/v1/models" in err
+    assert out.read_text() == good and not partial.exists()
     down = [True]
 
     def answer(body):
@@ -674,7 +715,12 @@ def test_sage_hints_never_lets_a_hint_without_problem_sha_stand_for_this_specs_p
     row = synthetic_rows(2, seed=0)[0]
     out = tmp_path / "teacher.jsonl"
     write_hints(tmp_path / "teacher.partial.jsonl", [(row["prompt_id"], 1, "OLD hint for some other problem .")])
-    with _ChatEndpoint(lambda body: (200, f"The answer is {row['answer']} .")) as teacher:  # every sample leaks
+
+    def answer(body):  # every sample for this row leaks
+        leak = row["problem"] in body["messages"][-1]["content"]
+        return 200, f"The answer is {row['answer']} ." if leak else "Work from left to right ."
+
+    with _ChatEndpoint(answer) as teacher:
         assert cli.main(["hints", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--levels", "1",
                          "--out", str(out), "--teacher", teacher.url]) == 0
     assert "OLD hint" not in out.read_text()
@@ -736,3 +782,214 @@ def test_an_endpoint_url_without_v1_says_so_on_a_404(monkeypatch):
     with _ChatEndpoint(lambda body: (404, "The model `x` does not exist.")) as teacher, pytest.raises(
             TeacherError, match=r"HTTP 404: .*does not exist.*set teacher_model"):
         TeacherHints(teacher.url, model="x").get([req()], HintContext(generate=ScriptedModel([])))
+
+
+def test_a_numbered_list_hint_keeps_its_lines_and_is_no_leak_of_its_labels():
+    """A hint written as a numbered list keeps each item on its own line (the others are joined by spaces), so its
+    labels read as labels also where an item ends without a period: answer 2 is not in "2. Write an equation"."""
+    raw = "1. Let n be the number\n2. Write an equation\n   \n3. Solve it\nfor n.\n4. Check\n5. Done\n6. Really\n7. Cut"
+    assert clean_hint(raw) == "1. Let n be the number\n2. Write an equation\n3. Solve it for n.\n4. Check\n5. Done"
+    got = sample_hints([req(answer="2")], HintContext(generate=ScriptedModel([raw])))
+    assert got[0].text == clean_hint(raw) and not got[0].leaked
+
+
+@pytest.mark.parametrize("row,needle", [
+    ({"prompt_id": "a", "level": 1, "hint": 5}, r"row 0 has hint 5 \(int\); a hint is a string"),
+    ({"prompt_id": "a", "level": 1, "hint": ["add"]}, r"row 0 has hint \['add'\] \(list\)"),
+    ({"prompt_id": "a", "level": 1, "hint": {"text": "add"}}, r"row 0 has hint \{'text': 'add'\} \(dict\)"),
+    ({"prompt_id": "a", "level": 1, "hint": True}, r"row 0 has hint True \(bool\)"),
+    ({"prompt_id": "a", "level": True, "hint": "add"}, r"row 0 has level True; levels are"),
+    ({"prompt_id": None, "level": 1, "hint": "add"}, r"row 0 has prompt_id None; a prompt id is a string or a number"),
+    ({"prompt_id": " ", "level": 1, "hint": "add"}, r"row 0 has prompt_id ' '"),
+])
+def test_hints_of_the_wrong_type_are_data_errors_naming_the_file_and_row(tmp_path, row, needle):
+    """A hint that is not text would be used as its repr ("5", "['add']"), a level true as level 1 and a null prompt
+    id as the id "None": each is an error naming the file and the row, also for a teacher hints file."""
+    path = tmp_path / "hints.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=r"hints\.jsonl: " + needle):
+        read_hints(path)
+    with pytest.raises(DataError, match=r"^teacher hints file .*hints\.jsonl: " + needle):
+        TeacherHints(str(path))
+    assert read_hints(_write(tmp_path / "ok.jsonl", {"prompt_id": 7, "level": 1, "hint": "add"})) == {("7", 1): "add"}
+
+
+def _write(path, row):
+    path.write_text(json.dumps(row) + "\n")
+    return path
+
+
+def _closed_port_url():
+    """The URL of a loopback port nobody listens on (bound, then let go)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def test_an_endpoint_teacher_is_checked_when_built_before_any_hint_is_asked(monkeypatch):
+    """Building the source (before the policy loads) asks the endpoint once: nothing there, a model it does not
+    serve, a missing API key are errors saying what to change, not a run whose every hint fails. A server without
+    /models, or one that takes any model name, passes on a one-token chat completion."""
+    _fast_retries(monkeypatch)
+    for var in ("SAGE_TEACHER_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    url = _closed_port_url()
+    with pytest.raises(TeacherError, match=rf"teacher endpoint {url} gives no answer to GET {url}/models \(3 tries, "
+                                           r"the last: ConnectError.*is the server up"):
+        TeacherHints(url, model="served")
+
+    def vllm(body):  # vLLM refuses a model it does not serve
+        return (200, "Add first .") if body["model"] in ("served", "lora-a") else \
+            (404, f"The model `{body['model']}` does not exist.")
+
+    with _ChatEndpoint(vllm, models=["served", "lora-a"]) as teacher:
+        TeacherHints(teacher.url, model="served")
+        assert teacher.bodies == []  # the model is listed: no completion asked
+        with pytest.raises(TeacherError, match=r"serves \['served', 'lora-a'\], not 'qwen': set teacher_model"):
+            TeacherHints(teacher.url, model="qwen")  # not listed, and its one-token completion is refused
+    with _ChatEndpoint(lambda body: (404, f"The model `{body['model']}` does not exist."), models=["served"]) as t2:
+        with pytest.raises(TeacherError, match=r"HTTP 404: .*does not exist.*serves \['served'\], not 'default', "
+                                               r"sent because teacher_model is not set: set teacher_model"):
+            TeacherHints(t2.url)
+        assert len(t2.bodies) == 1 and t2.bodies[0]["max_tokens"] == 1
+    with _ChatEndpoint(lambda body: (200, "Hi"), models=None) as bare:  # no /models (404): a completion decides
+        TeacherHints(bare.url, model="anything")
+        assert [b["model"] for b in bare.bodies] == ["anything"]
+    with _ChatEndpoint(lambda body: (200, "Hi"), models=["model.gguf"]) as anyname:  # llama.cpp takes any name
+        TeacherHints(anyname.url, model="qwen")
+        assert len(anyname.bodies) == 1
+
+
+def test_an_endpoint_teacher_sends_the_api_key_from_the_environment_and_a_refused_key_names_the_variable(
+        monkeypatch, caplog):
+    """The key is read from SAGE_TEACHER_API_KEY, else OPENAI_API_KEY, and sent as a bearer token with every
+    request; it is in no log. A 401/403 says which variable to set (or that the one set holds a refused key)."""
+    _fast_retries(monkeypatch)
+    for var in ("SAGE_TEACHER_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai-secret")
+    with _ChatEndpoint(lambda body: (200, "Add first ."), models=["served"]) as teacher, \
+            caplog.at_level("DEBUG"):
+        TeacherHints(teacher.url, model="served").get([req()], HintContext(generate=ScriptedModel([])))
+        monkeypatch.setenv("SAGE_TEACHER_API_KEY", "sage-secret")
+        TeacherHints(teacher.url, model="served").get([req(pid="p2")], HintContext(generate=ScriptedModel([])))
+    assert [a for _, a in teacher.auth] == ["Bearer sk-openai-secret"] * 2 + ["Bearer sage-secret"] * 2
+    assert "secret" not in caplog.text
+    with _ChatEndpoint(lambda body: (401, "Unauthorized"), models=["served"]) as teacher:
+        # vllm serve --api-key: /v1/models wants the key too
+        teacher.server.RequestHandlerClass.do_GET = lambda self: self.send(401, b'{"error": "Unauthorized"}')
+        with pytest.raises(TeacherError, match=r"HTTP 401: .*read from SAGE_TEACHER_API_KEY: is it the right key"):
+            TeacherHints(teacher.url, model="served")
+        monkeypatch.delenv("SAGE_TEACHER_API_KEY")
+        monkeypatch.delenv("OPENAI_API_KEY")
+        with pytest.raises(TeacherError, match=r"HTTP 401: .*wants an API key: set SAGE_TEACHER_API_KEY or "
+                                               r"OPENAI_API_KEY"):
+            TeacherHints(teacher.url, model="served")
+
+
+def test_an_endpoint_that_hangs_trickles_or_stays_down_costs_one_bounded_try_per_hint(monkeypatch, caplog):
+    """A request has `timeout` seconds in all, its tries included, also against a server that trickles its reply a
+    byte at a time (httpx's own timeout is per read); a hint the endpoint never answered is failed, not resampled;
+    and once the first wave of a call's requests all went unanswered, the rest of that call are not sent."""
+    import time
+    from functools import partial
+
+    from sage_core import hints
+
+    def trickle(handler):  # headers, then one byte every 50 ms, never the whole body
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", "1000")
+        handler.end_headers()
+        for _ in range(200):
+            try:
+                handler.wfile.write(b" ")
+                handler.wfile.flush()
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    monkeypatch.setattr(hints, "_openai_generate", partial(hints._openai_generate, backoff=0.01, timeout=0.5))
+    with _ChatEndpoint(lambda body: trickle) as slow:
+        start = time.monotonic()
+        got = TeacherHints(slow.url).get([req()], HintContext(generate=ScriptedModel([]), retries=2))
+        took = time.monotonic() - start
+    assert got[0].failed and not got[0].leaked and len(slow.bodies) == 1 and took < 5
+    assert "1 of 1 hint requests got no answer" in caplog.text and "ReadTimeout" in caplog.text
+
+    caplog.clear()
+    monkeypatch.setattr(hints, "_openai_generate", partial(hints._openai_generate, backoff=0.01, concurrency=2))
+    reqs = [req(pid=f"p{i}") for i in range(10)]
+    with _ChatEndpoint(lambda body: (503, "overloaded")) as down:
+        got = TeacherHints(down.url).get(reqs, HintContext(generate=ScriptedModel([]), retries=2))
+    assert all(r.failed for r in got) and len(down.bodies) <= 15  # the first wave (2 x 3 tries), not 10 x 3
+    assert caplog.text.count("hint requests got no answer") == 1  # warned once for the call
+    assert "10 of 10 hint requests got no answer" in caplog.text and "the first 2 all went unanswered" in caplog.text
+
+
+@pytest.mark.parametrize("reply", [b"<html><body>502 Bad Gateway</body></html>", b'{"choices": [', b'{"choices": []}',
+                                   b'{"choices": [{"message": {"content": ["a", "list"]}}]}'])
+def test_a_reply_that_is_no_chat_completion_is_retried_then_a_failed_hint(monkeypatch, caplog, reply):
+    """A 200 whose body is no chat completion (a proxy's page, a cut reply, no choices) is tried again like a 5xx,
+    then counts as a failed hint: the run goes on."""
+    _fast_retries(monkeypatch)
+    with _ChatEndpoint(lambda body: (200, reply)) as teacher:
+        got = TeacherHints(teacher.url).get([req()], HintContext(generate=ScriptedModel([]), retries=2))
+    assert got[0].failed and len(teacher.bodies) == 3
+    assert "HTTP 200, not a chat completion" in caplog.text
+
+
+def test_an_empty_reply_is_resampled_and_a_refused_key_mid_run_names_the_variable(monkeypatch):
+    """An empty hint (null content) is a real answer: resampled, as a policy's empty hint is. A 401 after the check
+    (a key revoked) stops the run, saying where the key is read from."""
+    _fast_retries(monkeypatch)
+    for var in ("SAGE_TEACHER_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    replies = iter([None, None, "Add first ."])
+    with _ChatEndpoint(lambda body: (200, next(replies))) as teacher:
+        got = TeacherHints(teacher.url).get([req()], HintContext(generate=ScriptedModel([]), retries=2))
+    assert got[0].text == "Add first ." and len(teacher.bodies) == 3
+    with _ChatEndpoint(lambda body: (401, "Unauthorized")) as teacher, pytest.raises(
+            TeacherError, match=r"HTTP 401: .*wants an API key: set SAGE_TEACHER_API_KEY"):
+        TeacherHints(teacher.url).get([req()], HintContext(generate=ScriptedModel([])))
+
+
+def test_sage_hints_where_every_hint_leaked_exits_1_writing_no_file(monkeypatch, tmp_path, capsys):
+    """Every hint the teacher wrote gave the answer away: no hints file is written (it would hold none of the hints
+    asked for) and the command exits 1 saying so, not "wrote 0 hints"."""
+    from sage_core import cli
+    from sage_core.data import synthetic_rows
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    rows = synthetic_rows(2, seed=0)
+
+    def answer(body):
+        problem = body["messages"][-1]["content"]
+        return 200, "The answer is " + next(r["answer"] for r in rows if r["problem"] in problem) + " ."
+
+    out = tmp_path / "teacher.jsonl"
+    with _ChatEndpoint(answer) as teacher:
+        assert cli.main(["hints", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--levels", "1",
+                         "--out", str(out), "--teacher", teacher.url]) == 1
+    err = capsys.readouterr().err
+    assert "sage hints: every one of the 2 hints asked for leaked" in err and f"{out} was not written" in err
+    assert not out.exists() and len(teacher.bodies) == 2 * 3  # each sampled and resampled twice
+
+
+def test_sage_train_with_an_endpoint_teacher_nobody_serves_exits_2_before_the_policy_loads(monkeypatch, tmp_path,
+                                                                                           capsys):
+    """`sage train` builds its hint source before the policy, so an endpoint that is not there is an error naming
+    the URL at once, not a run of plain GRPO with every hint failed."""
+    from sage_core import cli, train
+
+    _fast_retries(monkeypatch)
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(train, "_trainer_inputs", lambda *a: pytest.fail("the policy loaded"))
+    url = _closed_port_url()
+    assert cli.main(["train", "--set", "num_prompts=4", "--set", "prompts_per_step=4", "--set", "max_steps=1",
+                     "--set", "hint_source=teacher", "--set", f"teacher={url}", "--output-dir",
+                     str(tmp_path / "run")]) == 2
+    assert f"sage train: teacher endpoint {url} gives no answer to GET {url}/models" in capsys.readouterr().err
