@@ -1,4 +1,4 @@
-"""Per-prompt tracker files: leftovers of a killed write, and the dtypes of the float columns."""
+"""Per-prompt tracker files: leftovers of a killed write, the dtypes of the float columns, what a replay reads."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from sage_core.tracker import COLUMNS, FLOAT_COLUMNS, PromptTracker, read_tracker
 
@@ -68,3 +69,100 @@ def test_old_files_with_object_float_columns_read_as_float(tmp_path):
     assert read_tracker(tmp_path, columns=["step", "acc_l3"])["acc_l3"].dtype == "float64"
     replay = PromptTracker(tmp_path, write=False)
     assert [r["step"] for r in replay.reload()] == [1, 2] and replay.solved == {"a"}
+
+
+def _full_read_replay(directory, scheduler):
+    """What a resume did before the replay read only its columns: every column through pandas, records from
+    to_dict, then restore_state's loop (the reference the column-pruned replay is checked against)."""
+    tracker = PromptTracker(directory, write=False)
+    for f in tracker.files():
+        for rec in pd.read_parquet(f).to_dict("records"):
+            tracker._absorb(rec)
+            if rec.get("trained") is not None and not rec["trained"]:
+                continue
+            scheduler.observe(rec["prompt_id"], int(rec["level"]), [float(x) for x in rec["rewards"]],
+                              [float(x) for x in rec["pilot_rewards"]])
+    return tracker
+
+
+def _simulated_run(directory, method: str, steps: int = 12, seed: int = 0):
+    """A run's tracker written by PromptTracker.record from records as the trainer makes them (hint levels from a
+    live scheduler, NaN/None where a level was not tried, hints and completions, swapped-out rows with trained
+    False), after an older file without the `trained` and `origin_id` columns whose float columns are null-typed.
+    Returns the live scheduler and tracker (the state a resume must rebuild)."""
+    import random
+
+    from sage_core import gate
+    from sage_core.schedulers import make_scheduler
+
+    rng = random.Random(seed)
+    live, tracker = make_scheduler(method, num_generations=4), PromptTracker(directory)
+    old = [_rec(f"p{i}", acc_l1=None, acc_l2=None, acc_l3=None, rewards=[1.0, 0.0, 0.0, 0.0],
+                pilot_rewards=[1.0, 0.0, 0.0, 0.0], pass_rate=0.25, base_pass_rate=0.25) for i in range(3)]
+    pd.DataFrame([r | {"step": 1} for r in old], columns=[c for c in COLUMNS if c not in ("trained", "origin_id")]
+                 ).to_parquet(directory / "step_000001.parquet", index=False)
+    for r in old:
+        tracker._absorb(r)
+        live.observe(r["prompt_id"], 0, r["rewards"], r["pilot_rewards"])
+    for step in range(2, steps + 1):
+        recs = []
+        for pid in rng.sample([f"p{i}" for i in range(20)], 6):
+            level = live.level_before(pid)
+            pilot = [float(rng.random() < 0.3 + 0.2 * level) for _ in range(4)]
+            rewards = pilot if rng.random() < 0.7 else [float(rng.random() < 0.5) for _ in range(4)]
+            acc = {lvl: gate.pass_rate(rewards) if lvl == level else None for lvl in (1, 2, 3)}
+            hint = f"hint {pid} {level}" if level else None
+            swapped = rng.random() < 0.15  # dapo-filter rolled it, then trained a fresh prompt in its slot
+            recs.append(_rec(pid, level=level, max_level_tried=level, base_pass_rate=gate.pass_rate(pilot)
+                             if level == 0 else float("nan"), base_state="na" if level else gate.group_state(pilot),
+                             pass_rate=gate.pass_rate(rewards), hint=hint,
+                             **({f"hint_l{level}": hint} if level else {}),
+                             acc_l1=acc[1], acc_l2=acc[2], acc_l3=acc[3], rewards=rewards, pilot_rewards=pilot,
+                             completions=[f"step {step} {pid} \\boxed{{{j}}}" for j in range(4)], method=method,
+                             trained=not swapped, origin_id="slot" if swapped else pid))
+            if not swapped:
+                live.observe(pid, level, rewards, pilot)
+        tracker.record(step, recs)
+    return live, tracker
+
+
+@pytest.mark.parametrize("method", ["sage-light", "ada-est", "sage-light+ada-seq", "sage-light-log"])
+def test_replay_reads_only_its_columns_and_rebuilds_the_full_reads_state(tmp_path, method):
+    """A resume replays every tracker file; reading all columns (completions, hints) through pandas made it take a
+    minute on a long run. The replay reads only REPLAY_COLUMNS, with pyarrow, and rebuilds exactly the state the
+    full read rebuilt (and the live run had): SAGE-LIGHT levels, ada-est's pilot history, the solved sets, over
+    an older file lacking columns too. Its values are those the replay saw before (lists for arrays, NaN)."""
+    from types import SimpleNamespace
+
+    from sage_core.schedulers import make_scheduler
+    from sage_core.tracker import REPLAY_COLUMNS
+    from sage_core.trainer import SageGRPOTrainer
+
+    name, weighting = (method[:-4], "log") if method.endswith("-log") else (method, "none")
+    live, live_tracker = _simulated_run(tmp_path, name)
+    before = make_scheduler(name, weighting=weighting)
+    full = _full_read_replay(tmp_path, before)
+    now = SimpleNamespace(tracker=PromptTracker(tmp_path, write=False), _pool_pos=0,  # a trainer's parts it uses
+                          scheduler=make_scheduler(name, weighting=weighting),
+                          _saved_by_process=lambda *a: None, _saved_state=lambda *a: None)
+    count = SageGRPOTrainer.restore_state(now, 12)
+    assert count == sum(bool(r.get("trained", True)) for f in now.tracker.files()
+                        for r in pd.read_parquet(f).to_dict("records"))  # swapped-out rows are not observed
+    assert now.scheduler.state() == before.state() == live.state() and live.state()
+    for t in (full, live_tracker):
+        assert (now.tracker.seen, now.tracker.solved, now.tracker.solved_no_hint) == (t.seen, t.solved,
+                                                                                       t.solved_no_hint)
+    assert now.tracker.solved and (name == "ada-est" or now.tracker.solved_no_hint != now.tracker.solved)  # hinted
+    got = list(PromptTracker(tmp_path, write=False).reload())
+    want = [r for f in sorted(tmp_path.glob("step_*.parquet")) for r in pd.read_parquet(f).to_dict("records")]
+    assert len(got) == len(want) and "trained" not in got[0] and "trained" in got[-1]  # the old file lacks it
+    for g, w in zip(got, want, strict=True):
+        assert set(g) == set(REPLAY_COLUMNS) & set(w)  # no completions, hints or other columns read
+        for c, v in g.items():
+            ref = w[c]
+            if c in FLOAT_COLUMNS:
+                assert isinstance(v, float) and (v == ref or math.isnan(v) and (ref is None or math.isnan(ref)))
+            elif c in ("rewards", "pilot_rewards"):
+                assert type(v) is list and v == [float(x) for x in ref] and all(type(x) is float for x in v)
+            else:
+                assert v == ref and type(v) in (int, str, bool), (c, v, ref)
