@@ -32,6 +32,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler
 
 from . import gate
+from .curation import Weighted
 from .data import PromptTooLong
 from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints, leaks
 from .memory import measured
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 POOL_FILE = "sage_prompt_pool.json"  # in a checkpoint: each process's place in its fresh-prompt pool
 RNG_FILE = "sage_scheduler_rng.json"  # in a checkpoint: each process's scheduler generator (pooled subset picks)
+STATE_FILE = "sage_replay_state.json"  # in a checkpoint: the scheduler's and tracker's state (the same everywhere)
 
 
 @dataclass
@@ -682,13 +684,18 @@ class SageGRPOTrainer(GRPOTrainer):
         """HF's checkpoint and the JSON files beside it: each process's place in its fresh-prompt pool (methods that
         swap a collapsed group for a new prompt), so that a resumed run draws the prompts the straight run draws,
         each process's scheduler generator (schedulers with a `rng_state()`: a pooled method's subset picks), and
-        those of callbacks with a `checkpoint_files()` (sage_core.train.TrainTime: the seconds trained). Every
-        process calls it; the main process writes."""
+        the scheduler's and the tracker's state (STATE_FILE: what a resume would otherwise replay from every tracker
+        file, linear in the run's length; every process observes every group, so one copy serves any count of
+        processes), and those of callbacks with a `checkpoint_files()` (sage_core.train.TrainTime: the seconds
+        trained, written last: see train.last_checkpoint). Every process calls it; the main process writes."""
         super()._save_checkpoint(model, trial)
         places = gather_object([self._pool_pos])
         files = {POOL_FILE: places} if any(places) else {}
         if hasattr(self.scheduler, "rng_state"):
             files[RNG_FILE] = gather_object([self.scheduler.rng_state()])
+        if self.accelerator.is_main_process and _state_holds_observe(self.scheduler):
+            files[STATE_FILE] = {"step": self.state.global_step, "method": self.scheduler.name,
+                                 "scheduler": self.scheduler.state(), "tracker": self.tracker.state()}
         for cb in self.callback_handler.callbacks:
             files.update(cb.checkpoint_files() if hasattr(cb, "checkpoint_files") else {})
         if self.accelerator.is_main_process:
@@ -698,15 +705,22 @@ class SageGRPOTrainer(GRPOTrainer):
                     json.dump(obj, f)
 
     def restore_state(self, up_to_step: int, checkpoint: str | os.PathLike | None = None) -> int:
-        """Replay the tracker files of steps <= up_to_step into the tracker and the scheduler, and take this
-        process's place in the fresh-prompt pool and its scheduler generator from `checkpoint`; returns the count
-        of replayed records."""
+        """Take this process's place in the fresh-prompt pool and its scheduler generator from `checkpoint`, and the
+        scheduler's and tracker's state at step up_to_step: from the checkpoint's STATE_FILE where it has one of
+        that step and method, else (an older checkpoint's, or none) by replaying the tracker files of steps <=
+        up_to_step into the tracker and the scheduler, which gives the same state. Returns the count of replayed
+        records (0 when the state was read)."""
         place = self._saved_by_process(checkpoint, POOL_FILE, "the fresh prompts drawn")
         if place is not None:
             self._pool_pos = int(place)
         rng = self._saved_by_process(checkpoint, RNG_FILE, "the pooled subsets picked")
         if rng is not None and hasattr(self.scheduler, "load_rng_state"):
             self.scheduler.load_rng_state(rng)
+        if (saved := self._saved_state(checkpoint, up_to_step)) is not None:
+            self.tracker.check_files(up_to_step)  # not read, but the run's record: one cut short is refused
+            self.scheduler.load_state(saved["scheduler"])
+            self.tracker.load_state(saved["tracker"])
+            return 0
         count = 0
         for rec in self.tracker.reload(up_to_step):
             if rec.get("trained") is not None and not rec["trained"]:  # swapped out (dapo-filter): not observed live
@@ -715,6 +729,26 @@ class SageGRPOTrainer(GRPOTrainer):
                                    [float(x) for x in rec["pilot_rewards"]])
             count += 1
         return count
+
+    def _saved_state(self, checkpoint: str | os.PathLike | None, step: int) -> dict | None:
+        """The scheduler's and tracker's state in `checkpoint` (STATE_FILE); None without one, or where it is not
+        this step's and method's or cannot be read (the caller replays the tracker files then)."""
+        path = os.path.join(checkpoint, STATE_FILE) if checkpoint is not None else None
+        if path is None or not os.path.exists(path):
+            return None
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+            found = (saved["step"], saved["method"])
+            if found == (step, self.scheduler.name):
+                return saved
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            log.warning("%s cannot be read (%s: %s): the tracker files are replayed instead", path,
+                        type(e).__name__, e)
+            return None
+        log.warning("%s holds the state of %s at step %s, not of %s at step %d: the tracker files are replayed "
+                    "instead", path, found[1], found[0], self.scheduler.name, step)
+        return None
 
     def _saved_by_process(self, checkpoint: str | os.PathLike | None, name: str, what: str):
         """This process's entry of the per-process file `name` in `checkpoint`; None without the file or an entry."""
@@ -731,6 +765,21 @@ class SageGRPOTrainer(GRPOTrainer):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _state_holds_observe(scheduler: Scheduler) -> bool:
+    """Whether `state()` holds all that `observe` changes, so that a checkpoint may keep it in place of a replay:
+    true of this project's schedulers (SAGE-LIGHT's levels, ada-est's pilot history; the others observe nothing).
+    A class that overrides observe below the class whose state and load_state it inherits (a caller's own
+    scheduler) is replayed from the tracker instead. A weighted scheduler is judged by the one it wraps."""
+    while isinstance(scheduler, Weighted):
+        scheduler = scheduler.inner
+    mro = type(scheduler).__mro__
+
+    def owner(name: str) -> int:  # how far up the class tree `name` is defined
+        return next(i for i, c in enumerate(mro) if name in vars(c))
+
+    return owner("state") <= owner("observe") and owner("load_state") <= owner("observe")
+
+
 class EpochSampler(RepeatSampler):
     """TRL's RepeatSampler draws one permutation per epoch from a generator seeded once, so a resumed run (a fresh
     sampler) would start its first epoch with epoch 0's order. HF Trainer calls set_epoch(e) before each epoch: when
