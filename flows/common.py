@@ -75,7 +75,7 @@ def end_status(error: BaseException) -> str:
     in Prefect, or its worker shut down, reaches the flow as TerminationSignal), FAILED otherwise."""
     from prefect.exceptions import ExternalSignal
 
-    return "KILLED" if isinstance(error, (KeyboardInterrupt, ExternalSignal)) else "FAILED"
+    return "KILLED" if isinstance(error, ExternalSignal) else tracking.end_status(error)
 
 
 @contextlib.contextmanager

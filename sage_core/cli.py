@@ -14,6 +14,7 @@ with --spec, then each --set. An invalid value exits with code 2 and a message n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -217,6 +218,51 @@ def _open_tracking(spec, out: Path, args: argparse.Namespace) -> tuple[list, str
     return [tracking.MlflowTrackingCallback(run_id=rid, output_dir=out)], rid
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit or scancel, Kubernetes' eviction, `kill`), raised by `_sigterm_raises` in
+    the main thread: the run unwinds as on Ctrl-C (a KeyboardInterrupt, so each `except KeyboardInterrupt` takes it
+    for a stop), its cleanup runs and its MLflow run ends KILLED, where Python's default would exit at once and
+    leave that run RUNNING with no end time."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises(command: str):
+    """While the block runs, SIGTERM raises Terminated in the main thread (elsewhere no handler can be set: nothing
+    changes); the block's Terminated becomes `sage COMMAND: stopped by SIGTERM` and exit code 143 (128 + 15, as a
+    shell reports a process SIGTERM ended). A second SIGTERM gets the earlier handler (the default ends the process
+    at once), and that handler is put back after the block. Under `accelerate launch` every rank gets it and stops;
+    only the main process touches MLflow."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.SIG_DFL if previous is None else previous  # None: set outside Python, taken as the default
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, previous)
+        raise Terminated("SIGTERM")
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    except Terminated:
+        print(f"sage {command}: stopped by SIGTERM", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _end_run(run_id: str | None, error: BaseException) -> None:
+    """End the MLflow run this command opened, by the error that ended it: KILLED when stopped, FAILED otherwise."""
+    if run_id is not None:
+        from .tracking import end_status, finish_run
+
+        finish_run(run_id, status=end_status(error))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     spec = build_spec(args.preset, args.spec, args.set)
     out = Path(args.output_dir).resolve() if args.output_dir else default_output_dir(spec)
@@ -230,25 +276,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     callbacks, run_id = _open_tracking(spec, out, args)
     from .train import LayoutError, shutdown_distributed, train
 
-    try:
-        result = train(spec, out, callbacks=callbacks, resume=not args.no_resume)
-    except BaseException as e:
+    with _sigterm_raises("train"):
+        try:
+            result = train(spec, out, callbacks=callbacks, resume=not args.no_resume)
+            shutdown_distributed()
+            d = result_dict(result) if _is_main_process() else {}  # with log_history: a flow may log it afterwards
+            if run_id is not None:
+                from .tracking import log_summary
+
+                log_summary(d.get("summary") or {}, run_id=run_id)
+        except BaseException as e:
+            _end_run(run_id, e)
+            if isinstance(e, LayoutError):  # the spec does not split over the processes this run was started with
+                raise SpecError(str(e)) from None
+            raise
         if run_id is not None:
             from .tracking import finish_run
 
-            finish_run(run_id, status="FAILED")
-        if isinstance(e, LayoutError):  # the spec does not split over the processes this run was started with
-            raise SpecError(str(e)) from None
-        raise
-    shutdown_distributed()
+            finish_run(run_id)
     if not _is_main_process():
         return 0
-    d = result_dict(result)  # with log_history: a flow that launched the ranks may log it afterwards
     if run_id is not None:
-        from .tracking import finish_run, log_summary
-
-        log_summary(d.get("summary") or {}, run_id=run_id)
-        finish_run(run_id)
         d["mlflow_run_id"] = run_id
     out.mkdir(parents=True, exist_ok=True)
     from .launch import RESULT_FILE
@@ -539,12 +587,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
             _forget_run_id(p.spec, out)
             run_id, _ = tracking.resume_or_create_run(p.spec, "train", out, experiment=args.experiment or
                                                       tracking.DEFAULT_EXPERIMENT)
-        try:
-            res = L.launch(spec, out, check=False, mlflow_run_id=run_id, **kw)
-        except BaseException:
-            if run_id is not None:
-                tracking.finish_run(run_id, status="FAILED")
-            raise
+        with _sigterm_raises("launch"):  # stopped (Ctrl-C, SIGTERM): its run KILLED, its vLLM server stopped
+            try:
+                res = L.launch(spec, out, check=False, mlflow_run_id=run_id, **kw)
+            except BaseException as e:
+                _end_run(run_id, e)
+                raise
         if run_id is not None:
             if res.ok and res.result:
                 tracking.log_summary(res.result.get("summary") or {}, run_id=run_id)

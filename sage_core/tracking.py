@@ -270,6 +270,13 @@ def _respec_run(run: Run, spec: RunSpec, kind: str) -> list[str]:
     return changed
 
 
+def end_status(error: BaseException) -> str:
+    """The MLflow status of a run ended by `error`: KILLED when it was stopped (Ctrl-C's KeyboardInterrupt, or
+    SIGTERM, which `sage train` and `sage launch` raise as sage_core.cli.Terminated, a KeyboardInterrupt), FAILED
+    otherwise."""
+    return "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+
+
 def finish_run(run_id: str, status: str = "FINISHED", complete: bool | None = None) -> None:
     """Terminate a run; `complete` (default: status == FINISHED) marks it done so it is skipped on re-runs."""
     c = client()
@@ -685,6 +692,13 @@ class MlflowTrackingCallback(TrainerCallback):
             client().set_tag(self.run_id, "sage.checkpoint_step", str(global_step))
         if self.owns_run:
             finish_run(self.run_id)
+
+    def end_run(self, error: BaseException) -> None:
+        """Training ended by `error` (sage_core.train calls it): a run this callback opened is ended KILLED where it
+        was stopped, FAILED otherwise (end_status), not left RUNNING with no end time; a run the caller gave is the
+        caller's to end. Only the process that opened it (the main one) ends it."""
+        if self.owns_run and self.run_id is not None:
+            finish_run(self.run_id, status=end_status(error))
 
 
 def make_callback(spec: RunSpec | None = None, experiment: str | None = None, run_id: str | None = None,

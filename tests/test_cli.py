@@ -643,3 +643,91 @@ def test_launch_refuses_negative_and_blank_gpus(capsys, tmp_path, monkeypatch, g
     rc, out, err = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", f"--gpus={gpus}", "--dry-run",
                            "--output-dir", str(tmp_path))
     assert rc == 2 and err.startswith(f"sage launch: {needle}") and "CUDA_VISIBLE_DEVICES" not in out
+
+
+# ---------------------------------------------------------------------------------------------- a stopped run
+@pytest.mark.parametrize("signame, codes", [("SIGTERM", (143,)), ("SIGINT", (-2, 130))])
+def test_a_stopped_train_ends_its_mlflow_run_killed_and_resumes_it_to_finished(capsys, tmp_path, tiny_model_dir,
+                                                                              monkeypatch, signame, codes):
+    """`sage train --mlflow` stopped after its first step: by SIGTERM (a scheduler's time limit, scancel, an
+    eviction; Python's default ended the process at once, the MLflow run left RUNNING with no end time) or by Ctrl-C
+    (the run was ended FAILED). Its run is KILLED with an end time, and the same command run again resumes that run
+    to FINISHED."""
+    import os
+    import signal
+    import time
+
+    from sage_core import tracking
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
+    out = tmp_path / "run"
+    argv = ["train", "--set", "method=sage-light", "--set", "max_steps=2", "--set", "save_steps=1", "--set",
+            "num_prompts=8", "--set", "prompts_per_step=2", "--set", "num_generations=4", "--set",
+            "max_completion_length=24", "--output-dir", str(out), "--mlflow", "--experiment", "cli-stop"]
+    # Ctrl-C's KeyboardInterrupt also where the tests run as a shell's background job (which ignores SIGINT)
+    main = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from sage_core.cli import main; sys.exit(main())")
+    log = tmp_path / "train.log"
+    with log.open("w") as fh:
+        proc = subprocess.Popen([sys.executable, "-c", main, *argv], cwd=ROOT, env=dict(os.environ), stdout=fh,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "tracker" / "step_000001.parquet").exists():  # the first step rolled out
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.02)
+        proc.send_signal(getattr(signal, signame))
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc in codes, log.read_text()[-3000:]
+    assert signame == "SIGINT" or "sage train: stopped by SIGTERM" in log.read_text()
+    rid = (out / "mlflow_run_id").read_text().strip()
+    run = tracking.client().get_run(rid)
+    assert run.info.status == "KILLED" and run.info.end_time is not None and not tracking.is_complete(run)
+    rc, stdout, err = run_cli(capsys, *argv)
+    assert rc == 0, err
+    run = tracking.client().get_run(rid)
+    assert f"MLflow run {rid} (resumed)" in stdout and run.info.status == "FINISHED" and tracking.is_complete(run)
+    assert json.loads((out / "train_result.json").read_text())["global_step"] == 2
+
+
+@pytest.mark.parametrize("stop, status", [("SIGTERM", "KILLED"), ("Ctrl-C", "KILLED"), ("error", "FAILED")])
+def test_a_stopped_launch_ends_its_mlflow_run_killed(capsys, tmp_path, monkeypatch, stop, status):
+    """`sage launch --mlflow` ended its run FAILED whatever stopped it, and SIGTERM ended the process before even
+    that (the run stayed RUNNING, its vLLM server was not stopped). Stopped (SIGTERM: exit code 143; Ctrl-C), the
+    run is KILLED; failed, FAILED. The SIGTERM handler is put back afterwards."""
+    import os
+    import signal
+    import time
+
+    from sage_core import launch as L
+    from sage_core import tracking
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
+    monkeypatch.delenv("SAGE_TRAIN_VENV", raising=False)
+
+    def launch(*args, **kw):  # the ranks running, when the stop comes
+        if stop == "SIGTERM":
+            # no handler of sage's: the default one would end pytest itself
+            assert signal.getsignal(signal.SIGTERM) is not handler, "no SIGTERM handler while the ranks run"
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs as soon as this returns
+            time.sleep(5)
+        raise KeyboardInterrupt if stop == "Ctrl-C" else RuntimeError("the ranks' launcher failed")
+
+    monkeypatch.setattr(L, "launch", launch)
+    handler = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "run"
+    with pytest.raises((SystemExit, KeyboardInterrupt, RuntimeError)) as e:
+        cli.main(["launch", "--gpus", "0,", "--output-dir", str(out), "--mlflow", "--experiment", "cli-launch-stop"])
+    assert signal.getsignal(signal.SIGTERM) is handler
+    assert stop != "SIGTERM" or (e.type is SystemExit and e.value.code == 143
+                                 and "sage launch: stopped by SIGTERM" in capsys.readouterr().err)
+    run = tracking.client().get_run((out / "mlflow_run_id").read_text().strip())
+    assert run.info.status == status and run.info.end_time is not None

@@ -378,3 +378,20 @@ def test_make_callback_owns_a_run_for_sage_train_mlflow(store, tmp_path, monkeyp
                               {"step": 2}], run_id=rid)
     assert n == 2 and [(m.step, m.value) for m in tracking.client().get_metric_history(rid, "reward")] == [
         (1, 0.5), (2, 0.7)]
+
+
+@pytest.mark.parametrize("error, status", [(KeyboardInterrupt(), "KILLED"), (RuntimeError("boom"), "FAILED")])
+def test_a_run_the_callback_opened_is_ended_when_training_stops_or_fails(store, tmp_path, monkeypatch, error, status):
+    """The callback that opened its run (make_callback with a spec) finished it only once final/ was saved: a run
+    stopped (Ctrl-C; SIGTERM, which sage train raises as a KeyboardInterrupt) or failed stayed RUNNING, with no end
+    time. train() hands it the error: KILLED for a stop, FAILED otherwise; a run it was given is left alone."""
+    monkeypatch.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
+    args = SimpleNamespace(output_dir=str(tmp_path / "own"))
+    cb = tracking.make_callback(RunSpec(max_steps=1, seed=11), experiment="t-end")
+    cb.on_train_begin(args, _state(0), TrainerControl())
+    cb.end_run(error)
+    run = tracking.client().get_run(cb.run_id)
+    assert run.info.status == status and run.info.end_time is not None and not tracking.is_complete(run)
+    given = tracking.open_run(RunSpec(), "train", experiment="t-end")
+    tracking.MlflowTrackingCallback(run_id=given, output_dir=tmp_path / "given").end_run(error)
+    assert tracking.client().get_run(given).info.status == "RUNNING"
