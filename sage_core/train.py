@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -281,14 +282,22 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
 def last_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest whole checkpoint: HF's trainer_state.json is there and, where the run's checkpoints carry the
     trainer's side files (the training seconds are written last, after the fresh-prompt pool and the scheduler's
-    generator), those too; one without them beside ones with them was cut short by a kill while saving."""
+    generator), those too; one without them beside ones with them was cut short by a kill while saving. One chosen
+    without them (the only one, or all written by an older version) is warned about: it resumes, but what the side
+    files hold is not known."""
     ckpts = [p for p in Path(output_dir).glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)]
     ckpts = [p for p in ckpts if (p / "trainer_state.json").exists()]
     if whole := [p for p in ckpts if (p / TRAIN_SECONDS_FILE).exists()]:
         if cut := sorted(p.name for p in set(ckpts) - set(whole)):
             log.warning("%s: %s not whole (saving was cut short): not resumed from", output_dir, ", ".join(cut))
         ckpts = whole
-    return max(ckpts, key=lambda p: int(p.name.split("-")[1]), default=None)
+    ckpt = max(ckpts, key=lambda p: int(p.name.split("-")[1]), default=None)
+    if ckpt is not None and not (ckpt / TRAIN_SECONDS_FILE).exists():
+        log.warning("%s has no %s (saving was cut short after HF's files, or an older version wrote it): resumed "
+                    "from, but the training seconds before it are unknown (train_seconds NaN) and, for methods "
+                    "that draw fresh prompts or pooled subsets, their place may be lost too (the draws after the "
+                    "resume then differ from the straight run's)", ckpt, TRAIN_SECONDS_FILE)
+    return ckpt
 
 
 def remove_earlier_models(output_dir: Path) -> list[str]:
@@ -303,27 +312,108 @@ def remove_earlier_models(output_dir: Path) -> list[str]:
     return gone
 
 
-def check_checkpoint(ckpt: Path) -> None:
-    """A checkpoint a run resumes from must be readable: its trainer state (JSON) and its weights (safetensors
-    headers, which also hold the file sizes). A bad one is a DataError naming the file, before anything runs."""
+def check_checkpoint(ckpt: Path, save_only_model: bool = False) -> None:
+    """A checkpoint a run resumes from must be readable and whole: its trainer state (JSON), its weights
+    (safetensors headers, which also hold the file sizes), its optimizer and scheduler states (HF's Trainer loads
+    them only where both are there, and otherwise goes on silently with a fresh optimizer: its moments lost) and
+    every torch file in it (.pt/.pth: torch.save writes a zip archive, whose directory at the end a file cut short
+    lacks; torch.load would fail deep in the resume, naming no file). A bad one is a DataError naming the file,
+    before anything runs. A missing RNG state (rng_state*.pth) is a warning: the run resumes, but its sampling is no
+    longer the straight run's. Not required: the optimizer and scheduler of a `save_only_model` checkpoint
+    (build_config asks for none), nor those of DeepSpeed's layout (global_step*/ holds its own files)."""
     from .data import DataError
     from .models import unreadable_safetensors
+
+    def bad(path: Path, why: str) -> DataError:
+        return DataError(f"{path} {why}; remove {ckpt.name} to resume from the checkpoint before it, or start over "
+                         "(--no-resume)")
 
     state = ckpt / "trainer_state.json"
     try:
         json.loads(state.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise DataError(f"{state} cannot be read ({e}); remove {ckpt.name} to resume from the checkpoint before "
-                        "it, or start over (--no-resume)") from e
-    if (bad := unreadable_safetensors(ckpt)) is not None:
-        raise DataError(f"{bad[0]} cannot be read ({bad[1]}); remove {ckpt.name} to resume from the checkpoint "
-                        "before it, or start over (--no-resume)")
+        raise bad(state, f"cannot be read ({e})") from e
+    if (unreadable := unreadable_safetensors(ckpt)) is not None:
+        raise bad(unreadable[0], f"cannot be read ({unreadable[1]})")
+    if not save_only_model and not _deepspeed_layout(ckpt):
+        if not _has_optimizer(ckpt):
+            raise bad(ckpt / "optimizer.pt", "is missing (HF's Trainer would resume with a fresh optimizer)")
+        if not (ckpt / "scheduler.pt").is_file():
+            raise bad(ckpt / "scheduler.pt", "is missing (HF's Trainer would resume with a fresh optimizer and "
+                      "scheduler: it loads them only together)")
+    for path in sorted(ckpt.iterdir()):
+        if path.suffix in (".pt", ".pth") and path.is_file() and not zipfile.is_zipfile(path):
+            raise bad(path, "cannot be read (not a whole torch file: cut short, or not written by torch.save)")
+    world = world_size()
+    rng = ["rng_state.pth"] if world == 1 else [f"rng_state_{i}.pth" for i in range(world)]
+    if missing := [name for name in rng if not (ckpt / name).is_file()]:
+        log.warning("%s: no %s: the run resumes, but its random generators are not restored (the sampling after "
+                    "the resume differs from the straight run's)", ckpt, ", ".join(missing))
+
+
+def _deepspeed_layout(ckpt: Path) -> bool:
+    """A DeepSpeed checkpoint: its optimizer (and maybe scheduler) states are in global_step*/ ('latest' names it)."""
+    return (ckpt / "latest").is_file() or any(p.is_dir() for p in ckpt.glob("global_step*"))
+
+
+def _has_optimizer(ckpt: Path) -> bool:
+    """Whether HF's Trainer finds an optimizer state in `ckpt`: optimizer.pt, or FSDP's optimizer.bin or sharded
+    optimizer_*/ folder (as Trainer._load_optimizer_and_scheduler looks for them)."""
+    return ((ckpt / "optimizer.pt").is_file() or (ckpt / "optimizer.bin").is_file()
+            or any(p.is_dir() and "optimizer" in p.name for p in ckpt.iterdir()))
+
+
+def check_tracker_files(output_dir: Path, ckpt: Path, every: int = 1) -> None:
+    """A run resuming from `ckpt` (step N) needs the tracker file of every rollout batch up to N (steps 1, 1 +
+    every, ...: a batch is trained by `every` = updates_per_generation optimizer steps): they are the run's
+    per-prompt record (the dashboard's, never_solved's), and from a checkpoint without the state file the per-prompt
+    state (the SAGE-LIGHT levels, the prompts ever solved) is replayed from them. Missing ones (a checkpoint copied
+    without tracker/, files deleted) would leave a gap in that record or reset that state silently: a DataError
+    listing their steps and the folder."""
+    from .data import DataError
+    from .tracker import step_of
+
+    tdir = output_dir / "tracker"  # SageConfig's tracker_dir (build_config sets none)
+    have = {step_of(p.name) for p in tdir.glob("step_*.parquet")}
+    step = int(ckpt.name.split("-")[1])
+    if missing := [s for s in range(1, step + 1, every) if s not in have]:
+        one = len(missing) == 1
+        it = "it" if one else "them"
+        raise DataError(f"{tdir}: the tracker {'file of step' if one else 'files of steps'} {_spans(missing)} "
+                        f"{'is' if one else 'are'} missing (resuming from {ckpt.name}): the run's per-prompt record and "
+                        f"state are kept in the tracker files: restore {it}, or start over (--no-resume)")
+
+
+def _spans(steps: list[int], most: int = 8) -> str:
+    """Sorted steps compactly: 1-4, 7, 9-10 (at most `most` spans, then the count)."""
+    spans: list[list[int]] = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    text = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans[:most])
+    return text + (f", ... ({len(steps)} in all)" if len(spans) > most else "")
 
 
 def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = True) -> TrainResult:
     """Train one run. With resume=True a run whose output_dir holds a checkpoint continues from it (optimizer,
-    step, and the scheduler/tracker state replayed from the tracker files). An output_dir holding a run of another
-    spec is refused (RunFolderTaken) before anything is written."""
+    step, and the scheduler/tracker state kept in the checkpoint or replayed from the tracker files). An output_dir holding a run of another
+    spec is refused (RunFolderTaken) before anything is written. Ended by an exception, each callback with an
+    `end_run` is told (a tracking callback that opened its MLflow run itself ends it KILLED or FAILED)."""
+    try:
+        return _train(spec, output_dir, callbacks, resume)
+    except BaseException as e:
+        for cb in callbacks:
+            if hasattr(cb, "end_run"):
+                try:
+                    cb.end_run(e)
+                except Exception as why:  # noqa: BLE001 - the error that ended training is the one to raise
+                    log.warning("%s could not end its run (%s: %s)", type(cb).__name__, type(why).__name__, why)
+        raise
+
+
+def _train(spec: RunSpec, output_dir: str | Path, callbacks, resume: bool) -> TrainResult:
     from transformers import set_seed
 
     output_dir = Path(output_dir)
@@ -342,6 +432,7 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
     ckpt = last_checkpoint(output_dir) if resume else None
     if ckpt is not None:
         check_checkpoint(ckpt)
+        check_tracker_files(output_dir, ckpt, spec.updates_per_generation)
     step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
     clock = TrainTime(TrainTime.at(ckpt))
     trainer = build_trainer(spec, output_dir, [*callbacks, clock])
@@ -366,7 +457,8 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
         trainer.accelerator.wait_for_everyone()
     if ckpt is not None:
         replayed = trainer.restore_state(step, ckpt)
-        log.info("resuming %s from %s (%d tracker records replayed)", output_dir, ckpt.name, replayed)
+        log.info("resuming %s from %s (%s)", output_dir, ckpt.name, f"{replayed} tracker records replayed" if replayed
+                 else "per-prompt state from the checkpoint")
     final = output_dir / "final"
     state = TrainerState.load_from_json(str(ckpt / "trainer_state.json")) if ckpt is not None else None
     done = state is not None and (step >= trainer.args.max_steps or bool(

@@ -636,3 +636,222 @@ def test_an_adapter_folder_without_its_base_is_named(tmp_path):
     (tmp_path / "a" / "adapter_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="adapter_config.json cannot be read"):
         adapter_base(tmp_path / "a")
+
+
+def test_a_checkpoint_keeps_the_replayed_state_and_a_resume_from_it_trains_what_a_replay_does(tiny_model_dir,
+                                                                                              tmp_path):
+    """A resume replayed every tracker file into the scheduler and the tracker (about a minute at 3000 steps). A
+    checkpoint keeps that state (STATE_FILE): the live run's at its step, taken back with nothing replayed, and the
+    run resumed from it trains step 3 exactly as one resumed from a checkpoint without the file (an older one: the
+    replay, the fallback) does. A file cut short, or of another step, is replayed instead, to the same state."""
+    from safetensors.torch import load_file
+
+    from sage_core.tracker import PromptTracker
+    from sage_core.trainer import STATE_FILE
+
+    spec = small("sage-light", difficulty="hard", num_prompts=4, max_steps=2, save_steps=1)
+    live = build_trainer(spec, tmp_path / "saved")  # not train(): the live trainer's state is compared
+    (tmp_path / "saved" / "spec.json").write_text(spec.model_dump_json(indent=2))  # as train() writes it
+    live.train()
+    path = tmp_path / "saved" / "checkpoint-2" / STATE_FILE
+    saved = json.loads(path.read_text())
+    assert saved == {"step": 2, "method": "sage-light", "scheduler": live.scheduler.state(),
+                     "tracker": live.tracker.state()}
+    assert any(saved["scheduler"]["levels"].values()), "no level was raised: this tests nothing"
+    assert json.loads((path.parent.parent / "checkpoint-1" / STATE_FILE).read_text())["step"] == 1
+    shutil.copytree(tmp_path / "saved", tmp_path / "replayed")
+    for f in (tmp_path / "replayed").glob(f"checkpoint-*/{STATE_FILE}"):
+        f.unlink()
+    more = spec.model_copy(update={"max_steps": 3})
+    resumed = build_trainer(more, tmp_path / "replayed")
+    assert resumed.restore_state(2, tmp_path / "replayed" / "checkpoint-2") == 8  # 4 prompts, 2 steps
+    want = (resumed.scheduler.state(), resumed.tracker.state())
+    assert want == (saved["scheduler"], saved["tracker"])
+    text = path.read_text()
+    for content, replayed in ((text, 0), (text[:40], 8), (json.dumps(saved | {"step": 1}), 8)):
+        path.write_text(content)
+        resumed.scheduler.load_state({})
+        resumed.tracker = PromptTracker(resumed.tracker.dir, write=False)
+        assert resumed.restore_state(2, path.parent) == replayed
+        assert (resumed.scheduler.state(), resumed.tracker.state()) == want
+    path.write_text(text)
+    runs = {name: train(more, tmp_path / name) for name in ("saved", "replayed")}
+    a, b = (read_tracker(r.tracker_dir) for r in runs.values())
+    assert (a[a.step == 3].level > 0).any(), "step 3 rolls no raised level: this tests nothing"
+    for col in ("step", "prompt_id", "level", "rewards", "completions", "hint"):
+        assert a[col].astype(str).tolist() == b[col].astype(str).tolist(), col
+    wa, wb = (load_file(str(r.checkpoint_dir / "model.safetensors")) for r in runs.values())
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_two_processes_checkpoint_the_state_both_hold_and_a_replay_rebuilds_it(tiny_model_dir, tmp_path):
+    """Every process observes every group, so each holds the same scheduler and tracker state: the main process
+    saves one copy, which is each rank's live state (ada-est: its pilot history, in the order observed) and what a
+    replay of the tracker files, the resume of a checkpoint without it, rebuilds."""
+    from types import SimpleNamespace
+
+    from helpers import run_two_ranks
+
+    from sage_core.schedulers import make_scheduler
+    from sage_core.tracker import PromptTracker
+    from sage_core.trainer import STATE_FILE, SageGRPOTrainer
+
+    _, r0, r1 = run_two_ranks(tmp_path, "ada-est", {"save_steps": 1})
+    saved = json.loads((tmp_path / "checkpoint-2" / STATE_FILE).read_text())
+    assert saved["scheduler"] == r0["scheduler"] == r1["scheduler"] and len(saved["scheduler"]["history"]) == 8
+    assert saved["tracker"]["seen"] == r0["seen"] == r1["seen"] and saved["tracker"]["solved"] == r0["solved"]
+    replay = SimpleNamespace(tracker=PromptTracker(tmp_path / "tracker", write=False), _pool_pos=0,
+                             scheduler=make_scheduler("ada-est"), _saved_by_process=lambda *a: None,
+                             _saved_state=lambda *a: None)
+    assert SageGRPOTrainer.restore_state(replay, 2) == 8
+    assert (replay.scheduler.state(), replay.tracker.state()) == (saved["scheduler"], saved["tracker"])
+
+
+# ---------------------------------------------------------------------------------------------- a resume's files
+@pytest.fixture(scope="module")
+def three_steps(tiny_model_dir, tmp_path_factory):
+    """A 3-step SAGE-LIGHT run saved at every step (checkpoint-2 and -3 kept): the tests below damage copies."""
+    out = tmp_path_factory.mktemp("three_steps") / "run"
+    spec = small("sage-light", num_prompts=4, max_steps=3, save_steps=1)
+    train(spec, out)
+    return spec.model_copy(update={"max_steps": 4}), out  # the spec a resume trains one step further
+
+
+def _files(run):
+    return sorted(p.relative_to(run) for p in run.rglob("*"))
+
+
+@pytest.mark.parametrize("damage, name, needle", [
+    ("remove", "optimizer.pt", "is missing (HF's Trainer would resume with a fresh optimizer)"),
+    ("remove", "scheduler.pt", "is missing (HF's Trainer would resume with a fresh optimizer and scheduler"),
+    ("cut", "optimizer.pt", "cannot be read (not a whole torch file"),
+    ("cut", "rng_state.pth", "cannot be read (not a whole torch file")])
+def test_a_checkpoint_missing_its_optimizer_state_or_with_a_torch_file_cut_short_is_refused(three_steps, tmp_path,
+                                                                                             damage, name, needle):
+    """HF's Trainer loads the optimizer and scheduler states only where both are there: without one the run went on
+    silently with a fresh AdamW. A torch file cut short (a full disk) failed deep in the resume with a traceback that
+    named no file. Both are a DataError naming the file, before anything runs, and nothing is deleted."""
+    from sage_core.data import DataError
+
+    spec, done = three_steps
+    run = tmp_path / "run"
+    shutil.copytree(done, run)
+    f = run / "checkpoint-3" / name
+    if damage == "remove":
+        f.unlink()
+    else:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    before = _files(run)
+    with pytest.raises(DataError) as e:
+        train(spec, run)
+    assert str(e.value).startswith(f"{f} {needle}") and str(e.value).endswith(
+        "remove checkpoint-3 to resume from the checkpoint before it, or start over (--no-resume)"), e.value
+    assert _files(run) == before
+
+
+def test_a_checkpoint_without_its_rng_state_is_warned_about_and_other_layouts_are_let_through(three_steps, tmp_path,
+                                                                                              caplog):
+    """No rng_state.pth: the run resumes (a warning names it: its sampling is no longer the straight run's).
+    DeepSpeed's checkpoints keep the optimizer in global_step*/, FSDP's in optimizer.bin or optimizer_0/, and a
+    save_only_model checkpoint has none: those are not refused for lacking optimizer.pt."""
+    from sage_core.data import DataError
+    from sage_core.train import check_checkpoint
+
+    ckpt = tmp_path / "checkpoint-3"
+    shutil.copytree(three_steps[1] / "checkpoint-3", ckpt)
+    (ckpt / "rng_state.pth").unlink()
+    with caplog.at_level("WARNING", logger="sage_core.train"):
+        check_checkpoint(ckpt)
+    assert f"{ckpt}: no rng_state.pth: the run resumes, but its random generators are not restored" in caplog.text
+    (ckpt / "optimizer.pt").unlink()
+    with pytest.raises(DataError, match="optimizer.pt is missing"):
+        check_checkpoint(ckpt)
+    check_checkpoint(ckpt, save_only_model=True)
+    (ckpt / "optimizer_0").mkdir()  # FSDP, sharded
+    check_checkpoint(ckpt)
+    (ckpt / "optimizer_0").rmdir()
+    (ckpt / "scheduler.pt").unlink()
+    (ckpt / "global_step3").mkdir()  # DeepSpeed: its optimizer (and scheduler) states are in there
+    check_checkpoint(ckpt)
+
+
+def test_a_resume_without_the_tracker_files_up_to_its_checkpoint_is_refused(three_steps, tmp_path):
+    """The tracker files are the run's per-prompt record (and, for a checkpoint without its state file, the source of
+    the SAGE-LIGHT levels and the prompts ever solved): a checkpoint copied without tracker/, or a step's file
+    deleted, left a gap or reset that state silently. Now a
+    DataError lists the steps missing and the folder, before anything runs, and nothing is deleted."""
+    from sage_core.data import DataError
+
+    spec, done = three_steps
+    for gone, listed, it in ((["step_000002.parquet"], "file of step 2 is missing", "it"),
+                             (None, "files of steps 1-3 are missing", "them")):
+        run = tmp_path / f"run{len(gone or [])}"
+        shutil.copytree(done, run)
+        if gone is None:
+            shutil.rmtree(run / "tracker")
+        for name in gone or []:
+            (run / "tracker" / name).unlink()
+        before = _files(run)
+        with pytest.raises(DataError) as e:
+            train(spec, run)
+        assert str(e.value) == (f"{run / 'tracker'}: the tracker {listed} (resuming from checkpoint-3): the run's "
+                                f"per-prompt record and state are kept in the tracker files: restore {it}, or start over "
+                                "(--no-resume)")
+        assert _files(run) == before
+
+
+def test_tracker_files_are_expected_once_per_rollout_batch(tmp_path):
+    """updates_per_generation=2: a rollout batch is trained by two optimizer steps, and its tracker file is named
+    after the first (steps 1, 3, ...): checkpoint-6 needs steps 1, 3 and 5. Missing steps are listed compactly."""
+    from sage_core.data import DataError
+    from sage_core.train import _spans, check_tracker_files
+
+    (tmp_path / "tracker").mkdir()
+    for step in (1, 3, 5):
+        (tmp_path / "tracker" / f"step_{step:06d}.parquet").write_bytes(b"")
+    check_tracker_files(tmp_path, tmp_path / "checkpoint-6", every=2)
+    (tmp_path / "tracker" / "step_000003.parquet").unlink()
+    with pytest.raises(DataError, match=r"the tracker file of step 3 is missing \(resuming from checkpoint-6\)"):
+        check_tracker_files(tmp_path, tmp_path / "checkpoint-6", every=2)
+    assert _spans([1, 2, 3, 5, 7, 8]) == "1-3, 5, 7-8"
+    assert _spans(list(range(1, 40, 2)), most=3) == "1, 3, 5, ... (20 in all)"
+
+
+def test_a_checkpoint_resumed_without_its_training_seconds_is_warned_about(tmp_path, caplog):
+    """A kill between HF's trainer_state.json and the trainer's side files, on a run's first checkpoint (no whole
+    one to fall back to): it is resumed from, with a warning naming the file (train_seconds unknown, and a pooled
+    method's place in its draws maybe lost)."""
+    from sage_core.train import TRAIN_SECONDS_FILE, last_checkpoint
+
+    ckpt = tmp_path / "checkpoint-1"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text("{}")
+    with caplog.at_level("WARNING", logger="sage_core.train"):
+        assert last_checkpoint(tmp_path) == ckpt
+    assert f"{ckpt} has no {TRAIN_SECONDS_FILE}" in caplog.text and "train_seconds NaN" in caplog.text
+    caplog.clear()
+    (ckpt / TRAIN_SECONDS_FILE).write_text('{"train_seconds": 1.0}')
+    with caplog.at_level("WARNING", logger="sage_core.train"):
+        assert last_checkpoint(tmp_path) == ckpt
+    assert caplog.text == ""
+
+
+def test_training_ended_by_an_error_tells_each_callback_that_ends_a_run(tmp_path):
+    """A tracking callback that opened its MLflow run itself (make_callback with a spec) finished it only after
+    final/ was saved: a run ended by an error or a stop stayed RUNNING. train() now hands the error to each callback
+    with an `end_run` (MlflowTrackingCallback ends its own run KILLED or FAILED)."""
+    from transformers import TrainerCallback
+
+    from sage_core.spec import RunFolderTaken
+
+    ended = []
+
+    class Ends(TrainerCallback):
+        def end_run(self, error):
+            ended.append(error)
+
+    (tmp_path / "spec.json").write_text(small("grpo", seed=1).model_dump_json())
+    (tmp_path / "checkpoint-1").mkdir()
+    with pytest.raises(RunFolderTaken):
+        train(small("grpo", seed=2), tmp_path, callbacks=[Ends()])
+    assert len(ended) == 1 and isinstance(ended[0], RunFolderTaken)
