@@ -169,9 +169,10 @@ def test_a_run_resumed_and_ended_again_is_read_again(tmp_path):
 
 
 def test_a_download_never_shows_a_partly_written_file(monkeypatch, tmp_path):
-    """The artifacts of a store not readable in place are downloaded into $TMP/sage-dashboard/<run_id>/, a folder
-    every session shares: a download (another session's, or another cached reader's) must never rewrite in place
-    files a reader is reading. Here a reader reads the folder halfway through every file the download copies."""
+    """The tracker files of a store not readable in place are copied into $TMP/sage-dashboard/<run_id>/tracker/, a
+    folder every session shares: a fetch (another session's, or another cached reader's) must never rewrite in place
+    files a reader is reading. Here the run's files are rewritten (a resumed run trains its steps again), and a reader
+    reads the folder halfway through every file the second fetch copies: it sees whole old files or whole new ones."""
     import tempfile
 
     from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
@@ -186,11 +187,16 @@ def test_a_download_never_shows_a_partly_written_file(monkeypatch, tmp_path):
     uri, client = _store(tmp_path / "store")
     rid = log_run(client, _experiment(client, tmp_path / "store", "dl"), name="dl", method="sage", steps=3,
                   n_prompts=4)["run_id"]
+    art = client.get_run(rid).info.artifact_uri
+    source = D.local_artifact_dir(art) / "tracker"
+    sizes = lambda: {f.name: f.stat().st_size for f in sorted(source.glob("step_*.parquet"))}
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    folder = D._download(uri, rid, "tracker")  # what a first reader downloaded
-    steps = lambda: set(D._read_tables(sorted(folder.glob("step_*.parquet")), ["step"]).column("step").to_pylist())
-    assert steps() == {1, 2, 3}
+    folder = D._fetch_files(uri, rid, art, "tracker", sizes())  # what a first reader fetched
+    rows = lambda: D._read_tables(sorted(folder.glob("step_*.parquet")), ["step"]).num_rows
+    assert rows() == 12
+    for f in source.glob("step_*.parquet"):  # the resumed run's files: each step twice the rows, another size
+        pd.concat([pd.read_parquet(f)] * 2).to_parquet(f, index=False)
 
     copy, reads = LocalArtifactRepository._download_file, []
 
@@ -198,15 +204,17 @@ def test_a_download_never_shows_a_partly_written_file(monkeypatch, tmp_path):
         data = Path(self.artifact_dir, remote_file_path).read_bytes()
         Path(local_path).write_bytes(data[:len(data) // 2])
         try:
-            reads.append(steps())
+            reads.append(rows())
         except Exception as e:  # noqa: BLE001 - what the reader saw, asserted below
             reads.append(f"{type(e).__name__}: {e}")
         copy(self, remote_file_path, local_path)
 
     monkeypatch.setattr(LocalArtifactRepository, "_download_file", copy_in_two_halves)
-    assert D._download(uri, rid, "tracker") == folder  # a second download, while the first reader reads
-    assert reads == [{1, 2, 3}] * 3
-    assert steps() == {1, 2, 3} and [p.name for p in folder.parent.iterdir()] == ["tracker"]  # nothing left over
+    assert D._fetch_files(uri, rid, art, "tracker", sizes()) == folder  # a second fetch, while the first reader reads
+    assert len(reads) == 3 and all(r in range(12, 25, 4) for r in reads), reads  # 4 rows a file, old or new
+    assert rows() == 24 and [p.name for p in folder.parent.iterdir()] == ["tracker"]  # nothing left over
+    reads.clear()
+    assert D._fetch_files(uri, rid, art, "tracker", sizes()) == folder and reads == []  # all current: none fetched
 
 
 def test_pages_stop_at_the_last_step_of_a_run_resumed_with_fewer_steps(monkeypatch, tmp_path):
@@ -580,3 +588,222 @@ def test_runs_of_one_variant_keep_its_colour_and_rank():
     grey, green = D.VARIANT_COLORS[0], D.VARIANT_COLORS[1]
     assert scale["range"][:3] == [grey, grey, green] and scale["range"][3] not in D.VARIANT_COLORS
     assert [D.variant_rank(v) for v in order] == [0, 0, 1, len(D.VARIANT_ORDER)]
+
+
+# ------------------------------------------------------------------------------------------------ reading less
+
+
+class _Opens:
+    """pyarrow.parquet as the dashboard calls it, recording the names of the files it opens."""
+
+    def __init__(self):
+        import pyarrow.parquet as pq
+
+        self.pq, self.names = pq, []
+
+    def __getattr__(self, name):
+        real = getattr(self.pq, name)
+        if name not in ("read_table", "read_schema", "ParquetFile", "read_metadata"):
+            return real
+
+        def opened(path, *args, **kwargs):
+            self.names.append(Path(path).name)
+            return real(path, *args, **kwargs)
+
+        return opened
+
+    def take(self) -> list[str]:
+        names, self.names = sorted(set(self.names)), []
+        return names
+
+
+def _step_file(folder: Path, step: int, prompts: pd.DataFrame, rng, drop: tuple[str, ...] = ()) -> pd.DataFrame:
+    """A tracker file of `prompts` at `step`; each problem text says its step (the dashboard shows the first)."""
+    try:
+        from tests.dashboard_fixtures import tracker_step
+    except ImportError:
+        from dashboard_fixtures import tracker_step
+
+    df = tracker_step(prompts, step, 4, "sage", rng).drop(columns=list(drop))
+    df["problem"] = df["problem"] + f" (step {step})"
+    folder.mkdir(parents=True, exist_ok=True)
+    df.to_parquet(folder / f"step_{step:06d}.parquet", index=False)
+    return df
+
+
+def _full_scan_frame(files: list[Path]) -> pd.DataFrame:
+    """The light frame as pandas builds it from every file: what tracker_frame gave before it kept each file's
+    table (columns an older file lacks: their defaults; strings categorical; ints int32; floats float32)."""
+    from dashboards import data as D
+
+    df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+    df = D._defaults(df[[c for c in D.LIGHT_COLUMNS if c in df]].copy(), D.LIGHT_COLUMNS)[D.LIGHT_COLUMNS]
+    df["prompt_id"] = df["prompt_id"].astype(str).astype("category")
+    df["base_state"] = df["base_state"].fillna("na").astype(str).astype("category")
+    df["method"] = df["method"].astype("category")
+    for col in ("level", "max_level_tried", "rollouts", "difficulty", "step"):
+        df[col] = pd.to_numeric(df[col]).fillna(-1 if col == "difficulty" else 0).astype("int32")
+    for col in ("rescued", "hint_failed", "leak_l1", "leak_l2", "leak_l3"):
+        df[col] = df[col].fillna(False).astype(bool)
+    for col in D.FLOAT_COLUMNS:
+        df[col] = pd.to_numeric(df[col]).astype("float32")
+    return df.sort_values(["step", "prompt_id"], kind="stable").reset_index(drop=True)
+
+
+def _first_texts(files: list[Path]) -> pd.DataFrame:
+    """prompt_id, problem, answer where each prompt first appears (file order, then row order): every file read."""
+    df = pd.concat([pd.read_parquet(f, columns=["prompt_id", "problem", "answer"]) for f in files], ignore_index=True)
+    return df.drop_duplicates("prompt_id").reset_index(drop=True)
+
+
+def test_a_live_run_reads_only_its_new_and_rewritten_tracker_files(monkeypatch, tmp_path):
+    """A live run adds a step file: the frame reads that file alone (not the run's every file again); a resumed run
+    rewrites a step under its name (another size): that file alone is read again. The problem texts are read from
+    the files where each prompt first appears, and are those of a scan of every file. An older file lacking
+    columns reads as before (the contract's defaults)."""
+    try:
+        from tests.dashboard_fixtures import _experiment, _store, make_prompts
+    except ImportError:
+        from dashboard_fixtures import _experiment, _store, make_prompts
+
+    from dashboards import data as D
+
+    uri, client = _store(tmp_path / "store")
+    rid = client.create_run(_experiment(client, tmp_path / "store", "live"), run_name="live").info.run_id
+    art = client.get_run(rid).info.artifact_uri
+    folder = D.local_artifact_dir(art) / "tracker"
+    prompts, rng = make_prompts(12), np.random.default_rng(0)
+    # prompts 0-5 first appear at step 1, 6-8 at step 2, 9-11 at step 4 (step 3 brings no new prompt)
+    _step_file(folder, 1, prompts.iloc[:6], rng, drop=("leak_l1", "leak_l2", "leak_l3", "max_level_tried", "method"))
+    _step_file(folder, 2, prompts.iloc[3:9], rng)
+    _step_file(folder, 3, prompts.iloc[0:8:2], rng)
+    opens = _Opens()
+    monkeypatch.setattr(D, "pq", opens)
+    files = lambda: sorted(folder.glob("step_*.parquet"))
+
+    pd.testing.assert_frame_equal(D.tracker_frame(uri, rid, art, 3), _full_scan_frame(files()))
+    assert opens.take() == [f.name for f in files()]
+    _step_file(folder, 4, prompts.iloc[6:], rng)  # the live run's next step
+    frame = D.tracker_frame(uri, rid, art, 4)
+    assert opens.take() == ["step_000004.parquet"]
+    pd.testing.assert_frame_equal(frame, _full_scan_frame(files()))
+
+    texts = D.prompt_texts(uri, rid, art, 4)
+    assert opens.take() == ["step_000001.parquet", "step_000002.parquet", "step_000004.parquet"]
+    pd.testing.assert_frame_equal(texts, _first_texts(files()))
+    assert texts.set_index("prompt_id").loc["syn-00009", "problem"].endswith("(step 4)")
+
+    _step_file(folder, 2, prompts.iloc[3:10], rng)  # step 2 trained again by a resumed run: one prompt more
+    frame = D.tracker_frame(uri, rid, art, 4, "ended again")
+    assert opens.take() == ["step_000002.parquet"]
+    pd.testing.assert_frame_equal(frame, _full_scan_frame(files()))
+    assert (frame["step"] == 2).sum() == 7
+    tables = D._light_tables(folder, [f.name for f in files()])  # files not in step order: the frame is sorted
+    pd.testing.assert_frame_equal(D._frame_of(tables[::-1]), frame)
+
+
+def _loopback_port() -> int:
+    """A free loopback port in 18000-18999 (the range the tests' own servers use)."""
+    import random
+    import socket
+
+    for port in random.sample(range(18000, 19000), 1000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port in 18000-18999")
+
+
+@pytest.fixture(scope="module")
+def artifact_server(tmp_path_factory):
+    """`mlflow server --serve-artifacts` on loopback, as the docker stack runs it: the runs' artifact URIs are
+    `mlflow-artifacts:/...`, which the dashboard cannot read in place and downloads."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import http_status, stop_group, wait_ready
+
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port, log = _loopback_port(), root / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+                             "--port", str(port), "--workers", "1", "--serve-artifacts",
+                             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+                             "--artifacts-destination", str(root / "artifacts")],
+                            env=env, start_new_session=True, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        wait_ready("mlflow server", lambda: http_status(f"http://127.0.0.1:{port}/health") == 200, proc, log, 240)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_group(proc)
+
+
+def test_a_remote_store_fetches_only_the_tracker_files_it_lacks(monkeypatch, tmp_path, artifact_server):
+    """Through a tracking server, each tracker file is downloaded once into the shared cache: one prompt's rows
+    fetch the files it appears in, the frame the others, the problem texts none; a cache cleared (a restarted app)
+    fetches nothing; a live run's new step fetches that file; a step rewritten under its name by a resumed run (the
+    listing gives another size) is fetched again. The whole folder was downloaded on each cache miss before."""
+    import tempfile
+
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+    from mlflow.tracking import MlflowClient
+
+    try:
+        from tests.dashboard_fixtures import make_prompts
+    except ImportError:
+        from dashboard_fixtures import make_prompts
+
+    from dashboards import data as D
+
+    uri = artifact_server
+    client = MlflowClient(uri)
+    rid = client.create_run(client.create_experiment("remote")).info.run_id
+    art = client.get_run(rid).info.artifact_uri
+    assert D.local_artifact_dir(art) is None, art
+    up = tmp_path / "up" / "tracker"
+    prompts, rng = make_prompts(6), np.random.default_rng(1)
+
+    def log_step(step: int, rows: pd.DataFrame) -> None:
+        _step_file(up, step, rows, rng)
+        client.log_artifact(rid, str(up / f"step_{step:06d}.parquet"), "tracker")
+
+    for step, rows in ((1, prompts.iloc[:4]), (2, prompts.iloc[2:]), (3, prompts.iloc[[0, 1, 4, 5]])):
+        log_step(step, rows)
+    repo = type(get_artifact_repository(art, tracking_uri=uri))
+    real, fetched = repo._download_file, []
+
+    def counted(self, remote_file_path, local_path):
+        fetched.append(Path(remote_file_path).name)
+        return real(self, remote_file_path, local_path)
+
+    monkeypatch.setattr(repo, "_download_file", counted)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    def took():  # the files fetched since the last call
+        names = sorted(fetched)
+        fetched.clear()
+        return names
+
+    detail = D.prompt_detail(uri, rid, art, 3, "syn-00000", (1, 3))
+    assert took() == ["step_000001.parquet", "step_000003.parquet"]
+    assert list(detail["step"]) == [1, 3] and detail["problem"].iloc[0].endswith("(step 1)")
+    frame = D.tracker_frame(uri, rid, art, 3)
+    assert took() == ["step_000002.parquet"]
+    pd.testing.assert_frame_equal(frame, _full_scan_frame(sorted(up.glob("step_*.parquet"))))
+    pd.testing.assert_frame_equal(D.prompt_texts(uri, rid, art, 3), _first_texts(sorted(up.glob("step_*.parquet"))))
+    D.tracker_frame.clear()
+    D.tracker_frame(uri, rid, art, 3)
+    assert took() == []
+
+    log_step(4, prompts.iloc[1:5])  # the live run's next step
+    assert len(D.tracker_frame(uri, rid, art, 4)) == 16 and took() == ["step_000004.parquet"]
+    log_step(2, prompts)  # step 2 trained again by a resumed run, under its name: all 6 prompts this time
+    frame = D.tracker_frame(uri, rid, art, 4, "ended again")
+    assert took() == ["step_000002.parquet"]
+    assert (frame["step"] == 2).sum() == 6
+    pd.testing.assert_frame_equal(frame, _full_scan_frame(sorted(up.glob("step_*.parquet"))))
+    assert [p.name for p in (tmp_path / "tmp" / "sage-dashboard" / rid).iterdir()] == ["tracker"]  # nothing left

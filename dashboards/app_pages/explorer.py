@@ -15,7 +15,7 @@ run_id, frame, n_files = D.pick_run_with_tracker(ctx, "explorer_run")
 r = ctx.run(run_id)
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
+@st.cache_data(show_spinner=False, max_entries=4)  # keyed by n_files: a live run's older keys never come back
 def _collapsed_table(run_id: str, n_files: int, _frame: pd.DataFrame) -> pd.DataFrame:
     coll = D.collapsed_mask(_frame)
     ids = _frame.loc[coll, "prompt_id"].astype(str).unique()

@@ -16,12 +16,12 @@ st.title("Per-prompt hint levels")
 run_id, frame, n_files = D.pick_run_with_tracker(ctx, "levels_run")
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
+@st.cache_data(show_spinner=False, max_entries=4)  # keyed by n_files: a live run's older keys never come back
 def _summary(run_id: str, n_files: int, _frame: pd.DataFrame) -> pd.DataFrame:
     return D.prompt_summary(_frame)
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
+@st.cache_data(show_spinner=False, max_entries=4)  # keyed by n_files: a live run's older keys never come back
 def _level_share(run_id: str, n_files: int, _frame: pd.DataFrame) -> pd.DataFrame:
     share = _frame.groupby(["step", "level"], observed=True).size().rename("n").reset_index()
     share["share"] = share["n"] / share.groupby("step")["n"].transform("sum")
