@@ -386,6 +386,19 @@ def wait_for_server(url: str, timeout: float = 900.0, proc: subprocess.Popen | N
     raise TimeoutError(f"vllm serve at {url} not healthy after {timeout:.0f}s")
 
 
+def _stop(proc: subprocess.Popen | None, what: str, log: Callable[[str], None], timeout: float = 60.0) -> None:
+    """SIGTERM to a child still running (accelerate's agent passes it on to the ranks), SIGKILL after `timeout`."""
+    if proc is None or proc.poll() is not None:
+        return
+    log(f"[sage.launch] stopping {what} (pid {proc.pid})")
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId] | None = None,
            config: str | None = None, vllm_mode: str | None = None, server_gpus: int = 1, port: int = 8000,
            server_gpu_mem: float = 0.9, main_process_port: int | None = None,
@@ -404,7 +417,7 @@ def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId
     (p.output_dir / RESULT_FILE).unlink(missing_ok=True)
     log(f"[sage.launch] layout {p.layout.describe()}")
     log_path = p.output_dir / "launch.log"
-    server = None
+    server = proc = None
     threads: list[threading.Thread] = []
     tail: deque[str] = deque(maxlen=60)
     files = contextlib.ExitStack()
@@ -427,6 +440,9 @@ def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId
             _pump(proc.stdout, log, fh, tail)
             rc = proc.wait()
     finally:
+        # stopped (Ctrl-C, or SIGTERM raised as an exception by `sage launch`; a SIGTERM to this process alone does
+        # not reach the ranks): the ranks are stopped first, while the server they use is still up
+        _stop(proc, "the training processes", log)
         if server is not None and server.poll() is None:
             server.terminate()
             try:

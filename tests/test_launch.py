@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -253,6 +254,27 @@ def test_launch_failure_raises_with_tail(tmp_path, monkeypatch):
         L.launch(RunSpec(), tmp_path, gpus=[0], log=lambda s: None)
     res = L.launch(RunSpec(), tmp_path, gpus=[0], log=lambda s: None, check=False)
     assert res.returncode == 3 and res.result is None and res.tail == ["boom"]
+
+
+def test_a_stopped_launch_stops_its_training_processes(tmp_path, monkeypatch):
+    """launch() stopped while the ranks train (Ctrl-C, or `sage launch`'s SIGTERM raised in its main thread: here the
+    log callback raises, as the signal would in the pump) stops the `accelerate launch` child it started: the
+    ranks would otherwise train on, holding the GPUs, into a run already marked KILLED."""
+    beat = tmp_path / "beat"
+    loop = (f"import time, pathlib\nbeat = pathlib.Path({str(beat)!r})\nbeat.write_text(str(time.time()))\n"
+            "print('rank0', 'up', flush=True)\nwhile True:\n    beat.write_text(str(time.time())); time.sleep(0.1)\n")
+    monkeypatch.setattr(L, "accelerate_command", lambda *a, **kw: [sys.executable, "-c", loop])
+
+    def log(line: str) -> None:
+        if "rank0 up" in line:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        L.launch(RunSpec(), tmp_path / "run", gpus=[0], log=log)
+    time.sleep(0.5)  # a child still alive would write again meanwhile
+    first = beat.read_text()
+    time.sleep(0.5)
+    assert beat.read_text() == first, "the training process outlived launch()"
 
 
 def test_wait_for_server_fails_fast_when_process_dies():
