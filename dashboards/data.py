@@ -351,7 +351,7 @@ def _fetch_files(uri: str, run_id: str, artifact_uri: str, folder: str, files: d
 def _is_copy_of(path: Path, size: int | None) -> bool:
     """Whether the local copy exists and has the listed size (any size when the listing gives none)."""
     try:
-        return size is None or path.stat().st_size == size
+        return path.stat().st_size == size or size is None
     except FileNotFoundError:
         return False
 
