@@ -408,9 +408,11 @@ def cmd_hints(args: argparse.Namespace) -> int:
     ids, another problem under one id) are never dropped: they stay in FILE.partial.jsonl and go on into FILE.jsonl
     (one hints file holds hints for several problems, told apart by problem_sha); one without problem_sha under
     this spec's prompt ids is asked again and replaced (training would take it for this spec's problem). Where the
-    teacher gave no answer for some hints, or every hint it wrote leaked the answer, FILE.jsonl is not written (one
-    already there stays as it was), FILE.partial.jsonl keeps the others and the command exits 1. An endpoint is
-    checked before the first request (up, serving the model, taking the API key)."""
+    teacher gave no answer for some hints (also a hint whose resample went unanswered after a leak), or every hint it
+    wrote leaked the answer, FILE.jsonl is not written (one already there stays as it was), FILE.partial.jsonl keeps
+    the others and the command exits 1; a chunk the teacher answered none of ends the asking (down or hung: each
+    chunk more would wait on it). An endpoint is checked before the first request (up, serving the model, taking the
+    API key)."""
     spec = build_spec(args.preset, args.spec, args.set)
     teacher = args.teacher or spec.teacher
     if not teacher:
@@ -471,15 +473,22 @@ def cmd_hints(args: argparse.Namespace) -> int:
 
     ctx = HintContext(generate=no_policy, retries=spec.hint_retries, temperature=spec.hint_temperature)
     counts = {lv: {"written": sum(k[1] == lv for k in done), "leaked": 0, "failed": 0} for lv in levels}
+    not_asked = 0  # hints left unasked after a chunk the teacher answered none of
     for start in range(0, len(reqs), args.chunk):
         chunk = reqs[start:start + args.chunk]
-        for q, r in zip(chunk, source.get(chunk, ctx), strict=True):
+        results = source.get(chunk, ctx)
+        for q, r in zip(chunk, results, strict=True):
             if r.text is not None:
                 done[(q.prompt_id, q.level)] = r.text
-            counts[q.level]["written" if r.text is not None else "leaked" if r.leaked else "failed"] += 1
+            # a hint whose last request went unanswered failed, even where an earlier sample leaked: asked again
+            counts[q.level]["written" if r.text is not None else "leaked" if r.leaked and not r.unanswered
+                            else "failed"] += 1
         save()
         print(f"hints: {min(start + args.chunk, len(reqs))}/{len(reqs)} asked, {len(done)} for this spec in "
               f"{partial}" + (f" (and {len(kept)} others kept)" if kept else ""), flush=True)
+        if all(r.unanswered for r in results):  # down or hung: each chunk more would wait on it again
+            not_asked = len(reqs) - start - len(chunk)
+            break
     print(f"{'level':>5} {'written':>8} {'leaked':>7} {'failed':>7}")
     for lv in levels:
         c = counts[lv]
@@ -491,7 +500,9 @@ def cmd_hints(args: argparse.Namespace) -> int:
               f"hint_max_tokens, not another try); {out} was not "
               f"written, the {len(done)} hints written" + (f" and the {len(kept)} for other problems" if kept else "")
               + f" are kept in {partial}: run the same command again to ask only for the hints not there "
-              f"({failed} failed, {leaked} leaked)", file=sys.stderr)
+              f"({failed} failed, {leaked} leaked)" + (f"; the teacher answered none of the last chunk's "
+                                                       f"{len(chunk)} requests, so the other {not_asked} hints were "
+                                                       "not asked for" if not_asked else ""), file=sys.stderr)
         return 1
     if leaked and leaked == len(reqs):  # a file with none of the hints asked for is no teacher's hints file
         print(f"sage hints: every one of the {len(reqs)} hints asked for leaked (the teacher wrote the answer into "

@@ -49,6 +49,7 @@ class HintResult:
     text: str | None  # None: no usable hint (failed or every sample leaked)
     leaked: bool = False  # at least one sample contained the answer and was rejected
     attempts: int = 0
+    unanswered: bool = False  # its last request got no answer (None: a teacher endpoint down): a failure, not a leak
 
     @property
     def failed(self) -> bool:
@@ -215,20 +216,23 @@ _LIST_LABEL = re.compile(r"(?:(?P<line>^)|(?<=[.!?]\s))[ \t]*\(?(?P<n>\d{1,2})[.
 
 
 def _drop_list_labels(hint: str) -> str:
-    """The hint less its list labels: a 1 at the start of a line, and each next number (2 after 1, 3 after 2) where
-    _LIST_LABEL may find a label. Only a list counts, so "The total is 2. Check it.", "Add: 2. Then double" and
-    "Add 7 and 5. 12. Then halve it" keep their quantities."""
-    last = 0
-
-    def label(m: re.Match) -> str:
-        nonlocal last
+    """The hint less its list labels: a run of at least two, a 1 at the start of a line, then each next number (2
+    after 1, 3 after 2) where _LIST_LABEL may find a label. Only a list counts, so "The total is 2. Check it.", "Add:
+    2. Then double", "Add 7 and 5. 12. Then halve it" and a lone "The probability equals\n1. So it is certain." keep
+    their quantities."""
+    last, runs = 0, []  # runs: the label matches of each list found
+    for m in _LIST_LABEL.finditer(hint):
         n = int(m["n"])
-        if n == 1 and m["line"] is not None or last and n == last + 1:
-            last = n
-            return ""
-        return m[0]
-
-    return _LIST_LABEL.sub(label, hint)
+        if n == 1 and m["line"] is not None:
+            runs.append([m])
+        elif last and n == last + 1:
+            runs[-1].append(m)
+        else:
+            continue
+        last = n
+    for m in reversed([m for run in runs if len(run) >= 2 for m in run]):  # a lone "1." is no list
+        hint = hint[:m.start()] + hint[m.end():]
+    return hint
 
 
 def _quantities(hint: str) -> str:
@@ -266,7 +270,9 @@ def clean_hint(text: str) -> str:
     """The hint as written, whitespace stripped: its first six non-empty lines, joined by spaces (a hint cut at
     hint_max_tokens keeps its last, unfinished words), except that an item of a numbered list keeps its own line: the
     leak guard reads its label (1., 2)) as a label, not as a quantity, also where the item before ends without a
-    period."""
+    period. A line that only starts like an item ("1. So it is certain." after "The probability equals") keeps its
+    line too: the guard takes labels only in a run of two or more (_drop_list_labels), so a lone one stays a
+    quantity either way."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()][:6]
     return "".join(("\n" if i and _LIST_LABEL.match(ln) else " " if i else "") + ln for i, ln in enumerate(lines))
 
@@ -306,6 +312,7 @@ def sample_hints(requests: Sequence[HintRequest], ctx: HintContext) -> list[Hint
             results[i].attempts += 1
             if raw is None:
                 unanswered.add(i)
+                results[i].unanswered = True
                 continue
             text = clean_hint(raw)
             if not text:
@@ -397,8 +404,8 @@ class FixedHints(CachedHints):
 class TeacherHints(CachedHints):
     """Hints from another model. `teacher` is a hints file (.jsonl/.parquet with prompt_id, level, hint and, where
     `sage hints` wrote it, problem_sha), an OpenAI-compatible base URL (http[s]://host/v1; `model` names the served
-    model; checked when the source is built, see _check_endpoint; an API key from SAGE_TEACHER_API_KEY or
-    OPENAI_API_KEY), or a local model path."""
+    model; checked when the source is built, see _check_endpoint; an API key from SAGE_TEACHER_API_KEY), or a local
+    model path."""
 
     name = "teacher"
 
@@ -448,6 +455,7 @@ class TeacherHints(CachedHints):
                         covered, len(want))
 
     def get(self, requests, ctx):
+        unanswered: set[tuple[str, int]] = set()  # asked now and not answered: failed, whatever leaked before
         if self._generate is not None:
             missing = [r for r in requests if (r.prompt_id, r.level) not in self.hints]
             if missing:  # the teacher is fixed, so its hints are cached
@@ -459,7 +467,12 @@ class TeacherHints(CachedHints):
                         self.hints[(r.prompt_id, r.level)] = res.text
                     if res.leaked:
                         self.leaked.add((r.prompt_id, r.level))
-        return super().get(requests, ctx)
+                    if res.unanswered:
+                        unanswered.add((r.prompt_id, r.level))
+        out = super().get(requests, ctx)
+        for r, res in zip(requests, out, strict=True):
+            res.unanswered = (r.prompt_id, r.level) in unanswered
+        return out
 
 
 class TeacherError(RuntimeError):
@@ -472,22 +485,42 @@ TEACHER_ATTEMPTS = 3  # tries of one request on a transient failure (no connecti
 # chat completion, as a proxy's HTML page)
 TEACHER_TIMEOUT = 120.0  # seconds one hint request may take, its tries included: a hung or trickling server is cut off
 TEACHER_PROBE_TIMEOUT = 10.0  # seconds for each try of the check made when the source is built
-TEACHER_KEY_VARS = ("SAGE_TEACHER_API_KEY", "OPENAI_API_KEY")  # where the endpoint's API key is read from, in order
+TEACHER_STARTUP_WAIT = 600.0  # seconds the check waits for an endpoint still starting (no connection yet, 429,
+# 502/503/504 as llama.cpp's "Loading model"): `vllm serve` of a 72B model started beside `sage launch` loads for
+# minutes. STARTUP_WAIT_VAR overrides it (0: one try)
+STARTUP_WAIT_VAR = "SAGE_TEACHER_STARTUP_WAIT"
+TEACHER_STARTUP_POLL = 5.0  # seconds between two tries of an endpoint still starting
+TEACHER_STARTUP_LOG = 30.0  # seconds between two "waiting for the teacher" lines
+TEACHER_KEY_VAR = "SAGE_TEACHER_API_KEY"  # the endpoint's API key; never OPENAI_API_KEY: a user's OpenAI key is not
+# sent to whatever URL a spec names as its teacher (plain http included)
 
 
-def _teacher_key() -> tuple[str | None, str | None]:
-    """(the environment variable, the API key) sent to a teacher endpoint as a bearer token; (None, None) where none
-    is set. Read from the environment only, so a key never goes into a spec, its spec.json, a log or MLflow."""
-    for var in TEACHER_KEY_VARS:
-        if key := os.environ.get(var, "").strip():
-            return var, key
-    return None, None
+def _teacher_key() -> str | None:
+    """The API key sent to a teacher endpoint as a bearer token (TEACHER_KEY_VAR); None where it is not set. Read from
+    the environment only, so a key never goes into a spec, its spec.json, a log or MLflow."""
+    return os.environ.get(TEACHER_KEY_VAR, "").strip() or None
 
 
-def _send(client, method: str, url: str, deadline: float, body: dict | None = None) -> tuple[int, str]:
-    """One HTTP request's status and text, cut off at `deadline` (time.monotonic()): httpx's timeout bounds each read
-    alone, so a server that trickles its reply would hold the request for ever. Raises an httpx.TransportError (a
-    timeout past the deadline)."""
+def _startup_wait() -> float:
+    """Seconds the endpoint check waits for a server still starting: STARTUP_WAIT_VAR where set, else
+    TEACHER_STARTUP_WAIT. Raises TeacherError for a value that is no number >= 0."""
+    raw = os.environ.get(STARTUP_WAIT_VAR, "").strip()
+    if not raw:
+        return TEACHER_STARTUP_WAIT
+    try:
+        wait = float(raw)
+    except ValueError:
+        wait = float("nan")
+    if not wait >= 0:
+        raise TeacherError(f"{STARTUP_WAIT_VAR}={raw!r}: the seconds to wait for a teacher endpoint still starting, a "
+                           "number >= 0 (0: one try)")
+    return wait
+
+
+def _send(client, method: str, url: str, deadline: float, body: dict | None = None) -> tuple[int, str, str | None]:
+    """One HTTP request's status, text and Location header (redirects are not followed), cut off at `deadline`
+    (time.monotonic()): httpx's timeout bounds each read alone, so a server that trickles its reply would hold the
+    request for ever. Raises an httpx.TransportError (a timeout past the deadline)."""
     import httpx
 
     left = deadline - time.monotonic()
@@ -499,7 +532,16 @@ def _send(client, method: str, url: str, deadline: float, body: dict | None = No
             data += chunk
             if time.monotonic() > deadline:
                 raise httpx.ReadTimeout("the reply was still coming at the deadline")
-        return resp.status_code, data.decode(errors="replace")
+        return resp.status_code, data.decode(errors="replace"), resp.headers.get("location")
+
+
+def _completion(text: str) -> str:
+    """The content of a chat completion reply ('' for a null one). Raises ValueError, KeyError, IndexError or
+    TypeError for a reply that is none (a proxy's HTML page, a login page, a cut reply, no choices)."""
+    content = json.loads(text)["choices"][0]["message"]["content"]
+    if not isinstance(content, str | None):
+        raise TypeError(type(content).__name__)
+    return content or ""
 
 
 def _refusal(url: str, base_url: str, model: str | None, status: int, text: str,
@@ -507,10 +549,9 @@ def _refusal(url: str, base_url: str, model: str | None, status: int, text: str,
     """The error for a request the endpoint refused (a 4xx): what to change, by what the refusal says."""
     said = f"teacher endpoint {url} refused the request: HTTP {status}: {text[:300]}"
     if status in (401, 403):
-        var, _ = _teacher_key()
-        return TeacherError(f"{said} (the endpoint's API key is read from {var}: is it the right key?)" if var else
-                            f"{said} (the endpoint wants an API key: set {TEACHER_KEY_VARS[0]} or "
-                            f"{TEACHER_KEY_VARS[1]} to it)")
+        return TeacherError(f"{said} (the endpoint's API key is read from {TEACHER_KEY_VAR}: is it the right key?)"
+                            if _teacher_key() else f"{said} (the endpoint wants an API key: set {TEACHER_KEY_VAR} to "
+                            "it; OPENAI_API_KEY is never sent to a teacher)")
     if served is not None:
         return TeacherError(f"{said} (the endpoint serves {served}, not {model or 'default'!r}"
                             + ("" if model else ", sent because teacher_model is not set")
@@ -519,6 +560,21 @@ def _refusal(url: str, base_url: str, model: str | None, status: int, text: str,
         return TeacherError(f"{said} (no chat completions at that URL: the teacher URL is the OpenAI-compatible base "
                             f"URL, which ends in /v1, e.g. http://host:8000/v1; got {base_url})")
     return TeacherError(f"{said} (model {model or 'default'!r}; set teacher_model to the served model's name)")
+
+
+def _redirect(url: str, base_url: str, path: str, status: int, location: str | None) -> TeacherError:
+    """The error for an endpoint that redirects (an http -> https redirect, an ingress, a login page): requests are
+    not followed there (a POST would be lost, a key sent elsewhere), so the teacher URL must be the one it names."""
+    from urllib.parse import urljoin
+
+    if not location:
+        return TeacherError(f"teacher endpoint {base_url} redirects {url} (HTTP {status}) without saying where (no "
+                            "Location header): give the server's own OpenAI-compatible URL, ending in /v1")
+    to = urljoin(url, location)
+    return TeacherError(f"teacher endpoint {base_url}: the endpoint redirects to {to} (HTTP {status} for {url}): "
+                        + (f"give that URL: teacher={to.removesuffix(path)}" if to.endswith(path) else
+                           "not to the same API path (a login page, a proxy in front of the server?): give the "
+                           "server's own OpenAI-compatible URL, ending in /v1"))
 
 
 def _served_models(text: str) -> list[str] | None:
@@ -530,72 +586,109 @@ def _served_models(text: str) -> list[str] | None:
     return ids or None
 
 
-def _check_endpoint(client, base_url: str, model: str | None, attempts: int, backoff: float) -> None:
+def _check_endpoint(client, base_url: str, model: str | None) -> None:
     """Asked once when the source is built, before the policy loads: an endpoint that is not there, wants another
-    API key or does not serve `model` would otherwise turn the run into GRPO with every hint failed. GET /models
-    names the served models; where it cannot (no such path) or does not list `model`, a one-token chat completion
-    decides (a server that takes any name passes). No connection, 429, 502, 503 and 504 are tried `attempts` times
-    (a server still starting); other replies are answers. Raises TeacherError saying what to change."""
+    API key, does not serve `model`, redirects elsewhere or answers with no chat completion (a login page) would
+    otherwise turn the run into GRPO with every hint failed. GET /models names the served models; where it cannot
+    (no such path, a redirect) or does not list `model`, a one-token chat completion decides (a server that takes any
+    name passes). A server still starting (no connection, no answer in time, 429, 502, 503, 504) is asked again every
+    TEACHER_STARTUP_POLL seconds for up to _startup_wait() seconds, saying so every TEACHER_STARTUP_LOG seconds;
+    other replies are answers. Raises TeacherError saying what to change."""
     import httpx
 
-    base, want = base_url.rstrip("/"), model or "default"
+    base, want, wait = base_url.rstrip("/"), model or "default", _startup_wait()
 
-    def ask(method: str, path: str, body: dict | None = None) -> tuple[int, str]:
-        last = ""
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(backoff * 2 ** (attempt - 1))
+    def ask(method: str, path: str, body: dict | None = None) -> tuple[int, str, str | None]:
+        start, said, tries, logged = time.monotonic(), "", 0, None
+        while True:
+            tries += 1
             try:
-                status, text = _send(client, method, base + path, time.monotonic() + TEACHER_PROBE_TIMEOUT, body)
+                reply = _send(client, method, base + path, time.monotonic() + TEACHER_PROBE_TIMEOUT, body)
             except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {e}"
-                continue
-            if status in (429, 502, 503, 504):
-                last = f"HTTP {status}: {text[:200]}"
-                continue
-            return status, text
-        raise TeacherError(f"teacher endpoint {base_url} gives no answer to {method} {base + path} ({attempts} tries, "
-                           f"the last: {last}): is the server up, and at that host and port?")
+                said = f"{type(e).__name__}: {e}"
+            else:
+                if reply[0] not in (429, 502, 503, 504):
+                    return reply
+                said = f"HTTP {reply[0]}: {reply[1][:200]}"
+            waited = time.monotonic() - start
+            if waited >= wait:
+                break
+            if logged is None or time.monotonic() - logged >= TEACHER_STARTUP_LOG:
+                log.warning("waiting for the teacher at %s (%s) ... %.0fs of up to %gs (%s)", base_url, said, waited,
+                            wait, STARTUP_WAIT_VAR)
+                logged = time.monotonic()
+            time.sleep(min(TEACHER_STARTUP_POLL, wait - waited))
+        raise TeacherError(f"teacher endpoint {base_url} gives no answer to {method} {base + path} (waited "
+                           f"{waited:.0f}s for a server still starting, {tries} tr{'y' if tries == 1 else 'ies'}, the "
+                           f"last: {said}; {STARTUP_WAIT_VAR}={wait:g} sets how many seconds): is the server up, and "
+                           "at that host and port?")
 
-    status, text = ask("GET", "/models")
+    status, text, _ = ask("GET", "/models")
     if status in (401, 403):
         raise _refusal(base + "/models", base_url, model, status, text)
-    served = _served_models(text) if status < 300 else None
+    served = _served_models(text) if 200 <= status < 300 else None
     if served is not None and want in served:
         return
-    status, text = ask("POST", "/chat/completions", {"model": want, "messages": [{"role": "user", "content": "Hi"}],
-                                                     "max_tokens": 1, "temperature": 0.0})
+    status, text, location = ask("POST", "/chat/completions",
+                                 {"model": want, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                  "temperature": 0.0})
+    if 300 <= status < 400:
+        raise _redirect(base + "/chat/completions", base_url, "/chat/completions", status, location)
     if status >= 500:
         raise TeacherError(f"teacher endpoint {base_url} fails a one-token chat completion: HTTP {status}: "
                            f"{text[:300]}")
     if status >= 400:
         raise _refusal(base + "/chat/completions", base_url, model, status, text,
                        served if status in (400, 404) else None)
+    try:
+        _completion(text)
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise TeacherError(f"teacher endpoint {base_url} answers a one-token chat completion with HTTP {status} and "
+                           f"no chat completion: {text[:300]!r} (a login page, a proxy in front of the server? the "
+                           "teacher URL is the server's own OpenAI-compatible base URL, ending in /v1)") from None
 
 
 @dataclass
 class _Call:
-    """One generate call's requests to the endpoint: once the first `wave` of them all went unanswered (the endpoint
-    is down) and none was answered, the others fail without being sent."""
+    """One generate call's requests to the endpoint. The first `wave` go out at once; the others wait until one is
+    answered (then all go, `concurrency` at a time) or the whole first wave is done: where it all went unanswered
+    (the endpoint is down or hung) and none was answered, the others fail without being sent, so a hung server costs
+    one deadline a call, not one for each wave of requests."""
 
     wave: int
     gave_up: int = 0
     skipped: int = 0
+    done: int = 0  # requests of the first wave finished (answered, given up, or raised)
     answered: bool = False
     last: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    go: threading.Event = field(default_factory=threading.Event)  # the others may start
 
     @property
     def dead(self) -> bool:
         return not self.answered and self.gave_up >= self.wave
+
+    def answer(self) -> None:
+        self.answered = True
+        self.go.set()
 
     def give_up(self, reason: str) -> None:
         with self.lock:
             self.gave_up += 1
             self.last = reason
 
-    def skip(self) -> bool:
-        """True (and counted) when this request is not to be sent."""
+    def finished(self, i: int) -> None:
+        """Request `i` is over (in a finally: also when it raised, so the others never wait for ever)."""
+        if i < self.wave:
+            with self.lock:
+                self.done += 1
+                if self.done >= self.wave:
+                    self.go.set()
+
+    def skip(self, i: int) -> bool:
+        """True (and counted) when request `i` is not to be sent; a request beyond the first wave waits for `go`."""
+        if i >= self.wave:
+            self.go.wait()
         with self.lock:
             self.skipped += self.dead
             return self.dead
@@ -609,24 +702,26 @@ def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHE
     (`attempts` tries, waiting backoff, 2 x backoff, ...; `timeout` seconds for a request, its tries included); one
     that persists gives None, a failed hint the hint sampler does not ask again for (an empty reply is resampled):
     training goes on without it, on every process alike, as does one the server refuses as longer than its context
-    (not retried). Where the first wave of a call's requests all go unanswered, the rest of that call fail at once.
-    Another refusal that retrying cannot mend (4xx other than 429) raises TeacherError naming the status."""
+    (not retried). Where the first wave of a call's requests all go unanswered, the rest of that call fail unsent
+    (_Call), and the endpoint is taken for dead: each later call sends one request first and the others only once it
+    is answered (a server back up is used again). Another refusal that retrying cannot mend (4xx other than 429)
+    raises TeacherError naming the status."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
 
     url = base_url.rstrip("/") + "/chat/completions"
-    _, key = _teacher_key()
+    key = _teacher_key()
     client = httpx.Client(headers={"Authorization": f"Bearer {key}"} if key else None)
-    _check_endpoint(client, base_url, model, attempts, backoff)
+    _check_endpoint(client, base_url, model)
     too_long: list[int] = []  # requests the server found over its context (warned about once)
+    too_long_lock = threading.Lock()
+    dead_since: float | None = None  # when a whole call last went unanswered (None: the endpoint answers)
 
-    def one(messages: list[dict], max_new_tokens: int, temperature: float, call: _Call) -> str | None:
+    def ask(messages: list[dict], max_new_tokens: int, temperature: float, call: _Call) -> str | None:
         deadline, last = time.monotonic() + timeout, ""
         body = {"model": model or "default", "messages": messages, "max_tokens": max_new_tokens,
                 "temperature": temperature}
-        if call.skip():
-            return None
         for attempt in range(attempts):
             if attempt:
                 wait = backoff * 2 ** (attempt - 1)
@@ -634,7 +729,7 @@ def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHE
                     break
                 time.sleep(wait)
             try:
-                status, text = _send(client, "POST", url, deadline, body)
+                status, text, location = _send(client, "POST", url, deadline, body)
             except httpx.TransportError as e:  # no connection, no whole reply in time
                 last = f"{type(e).__name__}: {e}"
                 continue
@@ -644,37 +739,60 @@ def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHE
             if status == 400 and "maximum context length" in text.lower():
                 # vLLM's and OpenAI's words for a request (problem, solution and max_tokens) over the served
                 # context: this request's failure, as a policy hint request without room is (not the teacher's)
-                call.answered = True
-                if not too_long:
+                call.answer()
+                with too_long_lock:  # requests in flight together: the first one warns
+                    too_long.append(1)
+                    first = len(too_long) == 1
+                if first:
                     log.warning("teacher endpoint %s: a hint request does not fit the served model's context (%s); "
                                 "such hints count as failed (serve it with a larger --max-model-len, or lower "
                                 "hint_max_tokens)", url, text[:200])
-                too_long.append(1)
                 return None
             if status >= 400:
                 raise _refusal(url, base_url, model, status, text)
-            try:  # a proxy's HTML page, a cut reply, no choices: as a 5xx
-                content = json.loads(text)["choices"][0]["message"]["content"]
-                if not isinstance(content, str | None):
-                    raise TypeError(type(content).__name__)
-            except (ValueError, KeyError, IndexError, TypeError) as e:
-                last = f"HTTP 200, not a chat completion ({type(e).__name__}): {text[:100]!r}"
+            if status >= 300:  # the check found none: a redirect set up since, as a 5xx
+                last = f"HTTP {status}, a redirect to {location}"
                 continue
-            call.answered = True
-            return content or ""
+            try:  # a proxy's HTML page, a cut reply, no choices: as a 5xx
+                content = _completion(text)
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                last = f"HTTP {status}, not a chat completion ({type(e).__name__}): {text[:100]!r}"
+                continue
+            call.answer()
+            return content
         call.give_up(last or f"no whole reply in {timeout:g}s")
         return None
 
+    def one(i: int, messages: list[dict], max_new_tokens: int, temperature: float, call: _Call) -> str | None:
+        try:
+            return None if call.skip(i) else ask(messages, max_new_tokens, temperature, call)
+        finally:
+            call.finished(i)
+
     def generate(prompts, max_new_tokens, temperature):
-        call = _Call(wave=min(concurrency, len(prompts)))
-        with ThreadPoolExecutor(max(1, call.wave)) as pool:
-            out = list(pool.map(lambda m: one(m, max_new_tokens, temperature, call), prompts))
+        nonlocal dead_since
+        if not prompts:
+            return []
+        threads = min(concurrency, len(prompts))
+        was_dead = dead_since
+        call = _Call(wave=1 if was_dead is not None else threads)
+        with ThreadPoolExecutor(threads) as pool:
+            out = list(pool.map(lambda im: one(*im, max_new_tokens, temperature, call), enumerate(prompts)))
+        if call.dead:
+            dead_since = time.monotonic() if dead_since is None else dead_since
+        else:
+            dead_since = None
         if call.gave_up or call.skipped:  # once a call, not once a request
+            if not call.skipped:
+                why = ""
+            elif was_dead is not None:
+                why = (f"; it has answered no call for {time.monotonic() - was_dead:.0f}s, so one request was sent "
+                       f"first and, unanswered, the {call.skipped} others were not sent")
+            else:
+                why = f"; the first {call.wave} all went unanswered, so {call.skipped} were not sent"
             log.warning("teacher endpoint %s: %d of %d hint requests got no answer (each tried up to %d times within "
                         "%gs; the last failure: %s)%s; those hints count as failed", url, call.gave_up + call.skipped,
-                        len(prompts), attempts, timeout, call.last,
-                        f"; the first {call.wave} all went unanswered, so {call.skipped} were not sent"
-                        if call.skipped else "")
+                        len(prompts), attempts, timeout, call.last, why)
         return out
 
     return generate

@@ -23,6 +23,9 @@ import sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# a teacher endpoint nobody serves fails its start-up check at once (600 s of polling otherwise; tests that test the
+# wait set it themselves)
+os.environ["SAGE_TEACHER_STARTUP_WAIT"] = "0"
 
 import pytest  # noqa: E402
 

@@ -130,6 +130,11 @@ def req(pid="p1", level=3, answer="9"):
     ("Add: 2. Then double", "2", True),
     ("Add 7 and 5. 12. Then halve it.", "12", True),
     ("1. The total is 2. Then double it.", "2", True),
+    # only a run of labels (1, then 2) is a list: a lone "1." at a line's start is a quantity
+    ("The probability equals\n1. So it is certain.", "1", True),
+    ("The minimum value is\n1. Achieved when x = 0.", "1", True),
+    ("1. Set up the equation.\n2. Solve it.", "1", False),
+    ("1. Add 1 and 1. 2. Done here.", "2", False),
     # the Unicode minus sign
     ("The result is \u22123.", "-3", True),
     ("x = -3", "\u22123", True),
@@ -431,7 +436,7 @@ class _ChatEndpoint:
     404, a server without that path). Every chat request body, every request's Authorization header and the most
     requests in flight at once are recorded."""
 
-    def __init__(self, answer, models=("default",)):
+    def __init__(self, answer, models=("default",), port=None):
         import http.server
         import threading
         import time
@@ -476,7 +481,13 @@ class _ChatEndpoint:
             def log_message(self, *a):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        for candidate in [port] if port else _loopback_ports():
+            try:
+                self.server = http.server.ThreadingHTTPServer(("127.0.0.1", candidate), Handler)
+                break
+            except OSError:
+                if port:
+                    raise
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
 
@@ -486,6 +497,20 @@ class _ChatEndpoint:
     def __exit__(self, *exc):
         self.server.shutdown()
         self.server.server_close()
+
+
+def _loopback_ports():
+    """The loopback ports tests may listen on (18000-18999), from a random one on."""
+    import random
+
+    start = random.randrange(1000)
+    return [18000 + (start + i) % 1000 for i in range(1000)]
+
+
+@pytest.fixture(autouse=True)
+def _no_startup_wait(monkeypatch):
+    """An endpoint that is not there fails its check at once (the tests of a server still starting set the wait)."""
+    monkeypatch.setenv("SAGE_TEACHER_STARTUP_WAIT", "0")
 
 
 def _fast_retries(monkeypatch):
@@ -823,10 +848,14 @@ def _closed_port_url():
     """The URL of a loopback port nobody listens on (bound, then let go)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
+    for port in _loopback_ports():
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return f"http://127.0.0.1:{port}/v1"
+    raise OSError("no free loopback port in 18000-18999")
 
 
 def test_an_endpoint_teacher_is_checked_when_built_before_any_hint_is_asked(monkeypatch):
@@ -837,8 +866,9 @@ def test_an_endpoint_teacher_is_checked_when_built_before_any_hint_is_asked(monk
     for var in ("SAGE_TEACHER_API_KEY", "OPENAI_API_KEY"):
         monkeypatch.delenv(var, raising=False)
     url = _closed_port_url()
-    with pytest.raises(TeacherError, match=rf"teacher endpoint {url} gives no answer to GET {url}/models \(3 tries, "
-                                           r"the last: ConnectError.*is the server up"):
+    with pytest.raises(TeacherError, match=rf"teacher endpoint {url} gives no answer to GET {url}/models \(waited 0s "
+                                           r"for a server still starting, 1 try, the last: ConnectError.*"
+                                           r"SAGE_TEACHER_STARTUP_WAIT=0 sets how many seconds\): is the server up"):
         TeacherHints(url, model="served")
 
     def vllm(body):  # vLLM refuses a model it does not serve
@@ -865,8 +895,9 @@ def test_an_endpoint_teacher_is_checked_when_built_before_any_hint_is_asked(monk
 
 def test_an_endpoint_teacher_sends_the_api_key_from_the_environment_and_a_refused_key_names_the_variable(
         monkeypatch, caplog):
-    """The key is read from SAGE_TEACHER_API_KEY, else OPENAI_API_KEY, and sent as a bearer token with every
-    request; it is in no log. A 401/403 says which variable to set (or that the one set holds a refused key)."""
+    """The key is read from SAGE_TEACHER_API_KEY only and sent as a bearer token with every request; it is in no
+    log. A user's OPENAI_API_KEY is never sent (the teacher URL may be anyone's, plain http). A 401/403 says which
+    variable to set (or that the one set holds a refused key)."""
     _fast_retries(monkeypatch)
     for var in ("SAGE_TEACHER_API_KEY", "OPENAI_API_KEY"):
         monkeypatch.delenv(var, raising=False)
@@ -876,7 +907,7 @@ def test_an_endpoint_teacher_sends_the_api_key_from_the_environment_and_a_refuse
         TeacherHints(teacher.url, model="served").get([req()], HintContext(generate=ScriptedModel([])))
         monkeypatch.setenv("SAGE_TEACHER_API_KEY", "sage-secret")
         TeacherHints(teacher.url, model="served").get([req(pid="p2")], HintContext(generate=ScriptedModel([])))
-    assert [a for _, a in teacher.auth] == ["Bearer sk-openai-secret"] * 2 + ["Bearer sage-secret"] * 2
+    assert [a for _, a in teacher.auth] == [None] * 2 + ["Bearer sage-secret"] * 2
     assert "secret" not in caplog.text
     with _ChatEndpoint(lambda body: (401, "Unauthorized"), models=["served"]) as teacher:
         # vllm serve --api-key: /v1/models wants the key too
@@ -885,8 +916,8 @@ def test_an_endpoint_teacher_sends_the_api_key_from_the_environment_and_a_refuse
             TeacherHints(teacher.url, model="served")
         monkeypatch.delenv("SAGE_TEACHER_API_KEY")
         monkeypatch.delenv("OPENAI_API_KEY")
-        with pytest.raises(TeacherError, match=r"HTTP 401: .*wants an API key: set SAGE_TEACHER_API_KEY or "
-                                               r"OPENAI_API_KEY"):
+        with pytest.raises(TeacherError, match=r"HTTP 401: .*wants an API key: set SAGE_TEACHER_API_KEY to it; "
+                                               r"OPENAI_API_KEY is never sent to a teacher"):
             TeacherHints(teacher.url, model="served")
 
 
@@ -993,3 +1024,192 @@ def test_sage_train_with_an_endpoint_teacher_nobody_serves_exits_2_before_the_po
                      "--set", "hint_source=teacher", "--set", f"teacher={url}", "--output-dir",
                      str(tmp_path / "run")]) == 2
     assert f"sage train: teacher endpoint {url} gives no answer to GET {url}/models" in capsys.readouterr().err
+
+
+def _redirect_to(location, status=307):
+    """A reply (for _ChatEndpoint) that redirects to `location`, as an http -> https redirect or an ingress does."""
+    def reply(handler):
+        handler.send_response(status)
+        handler.send_header("Location", location)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+    return reply
+
+
+def test_an_endpoint_that_redirects_or_answers_with_no_chat_completion_fails_its_check(monkeypatch, caplog):
+    """A 3xx (redirects are not followed) names where it leads; a 2xx that is no chat completion (a login page) quotes
+    what came back: either fails the check, not a run whose every hint fails. A redirect met later is reported with
+    its own status."""
+    _fast_retries(monkeypatch)
+    to = "https://127.0.0.1:1/v1/chat/completions"
+    with _ChatEndpoint(lambda body: _redirect_to(to), models=None) as teacher:
+        with pytest.raises(TeacherError, match=r"the endpoint redirects to https://127\.0\.0\.1:1/v1/chat/completions "
+                                               r"\(HTTP 307 .*give that URL: teacher=https://127\.0\.0\.1:1/v1$"):
+            TeacherHints(teacher.url, model="served")
+        teacher.server.RequestHandlerClass.do_GET = lambda self: _redirect_to("https://127.0.0.1:1/v1/models", 301)(
+            self)  # every path redirects: /models too
+        with pytest.raises(TeacherError, match=r"redirects to https://127\.0\.0\.1:1/v1/chat/completions"):
+            TeacherHints(teacher.url, model="served")
+    with _ChatEndpoint(lambda body: _redirect_to("/login?next=/v1"), models=None) as teacher, pytest.raises(
+            TeacherError, match=r"redirects to http://127\.0\.0\.1:\d+/login\?next=/v1 .*not to the same API path"):
+        TeacherHints(teacher.url, model="served")
+    with _ChatEndpoint(lambda body: (200, b"<html>login page</html>"), models=None) as teacher, pytest.raises(
+            TeacherError, match=r"HTTP 200 and no chat completion: '<html>login page</html>'"):
+        TeacherHints(teacher.url, model="served")
+    # the check passed (/models lists the model), the chat requests redirect: reported as the 307 they are
+    with _ChatEndpoint(lambda body: _redirect_to(to), models=["served"]) as teacher:
+        got = TeacherHints(teacher.url, model="served").get([req()], HintContext(generate=ScriptedModel([])))
+    assert got[0].failed and f"HTTP 307, a redirect to {to}" in caplog.text and "HTTP 200" not in caplog.text
+
+
+def test_an_endpoint_still_starting_is_waited_for(monkeypatch, caplog):
+    """`vllm serve ... &` then `sage launch`: a server refusing connections, or answering 503 while its model loads,
+    is asked again every TEACHER_STARTUP_POLL seconds for up to SAGE_TEACHER_STARTUP_WAIT seconds (600 unset),
+    saying so every TEACHER_STARTUP_LOG seconds; past the wait the error says how long it waited and where to set it."""
+    import threading
+    import time
+
+    from sage_core import hints
+
+    _fast_retries(monkeypatch)
+    monkeypatch.setattr(hints, "TEACHER_STARTUP_POLL", 0.05)
+    monkeypatch.setenv("SAGE_TEACHER_STARTUP_WAIT", "20")
+    ready = time.monotonic() + 0.5
+
+    def loading(handler):  # llama.cpp while its model loads
+        handler.send(503, b'{"error": {"code": 503, "message": "Loading model"}}')
+
+    with _ChatEndpoint(lambda body: (200, "Hi") if time.monotonic() > ready else loading, models=None) as teacher:
+        TeacherHints(teacher.url, model="served")
+        assert len(teacher.bodies) > 2
+    assert f"waiting for the teacher at {teacher.url} (HTTP 503: " in caplog.text and "Loading model" in caplog.text
+    assert caplog.text.count("waiting for the teacher at") == 1  # every 30 s, not every try
+
+    # nothing listens yet: the server comes up on that port a moment later
+    caplog.clear()
+    url = _closed_port_url()
+    port = int(url.split(":")[2].split("/")[0])
+    servers = []
+    later = threading.Timer(0.4, lambda: servers.append(_ChatEndpoint(lambda body: (200, "Hi"), port=port)))
+    later.start()
+    try:
+        TeacherHints(url)
+    finally:
+        later.join()
+        for s in servers:
+            s.__exit__(None, None, None)
+    assert "waiting for the teacher at" in caplog.text and "ConnectError" in caplog.text
+
+    monkeypatch.setenv("SAGE_TEACHER_STARTUP_WAIT", "0.3")
+    with pytest.raises(TeacherError, match=r"gives no answer to GET .*/models \(waited 0s for a server still starting, "
+                                           r"\d+ tries, the last: ConnectError.*SAGE_TEACHER_STARTUP_WAIT=0\.3 sets"):
+        TeacherHints(_closed_port_url())
+    monkeypatch.setenv("SAGE_TEACHER_STARTUP_WAIT", "soon")
+    with pytest.raises(TeacherError, match=r"SAGE_TEACHER_STARTUP_WAIT='soon': the seconds to wait"):
+        TeacherHints(_closed_port_url())
+    monkeypatch.delenv("SAGE_TEACHER_STARTUP_WAIT")
+    assert hints.TEACHER_STARTUP_WAIT == 600 and hints._startup_wait() == 600
+    assert (hints.TEACHER_STARTUP_POLL, hints.TEACHER_STARTUP_LOG) == (0.05, 30)
+
+
+def test_a_hint_whose_resample_went_unanswered_after_a_leak_failed(monkeypatch, tmp_path, capsys):
+    """The greedy sample leaked, the resample got no answer (the endpoint went down): the hint is unanswered, so
+    `sage hints` counts it failed, not leaked: no --out, exit 1, and the command again asks for it."""
+    from sage_core import cli
+    from sage_core.data import synthetic_rows
+
+    got = sample_hints([req()], HintContext(generate=ScriptedModel(["12 - 3 = 9 .", None]), retries=2))
+    assert got[0].failed and got[0].leaked and got[0].unanswered and got[0].attempts == 2
+    got = sample_hints([req()], HintContext(generate=ScriptedModel(["= 9"] * 3), retries=2))
+    assert got[0].leaked and not got[0].unanswered  # leaked every time: a leak
+
+    _fast_retries(monkeypatch)
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    rows = synthetic_rows(2, seed=0)
+    down = [True]
+
+    def answer(body):  # the first problem's greedy hint leaks, its resamples meet a server gone down
+        first = rows[0]["problem"] in body["messages"][-1]["content"]
+        if first and body["temperature"] == 0:
+            return 200, f"The answer is {rows[0]['answer']} ."
+        return (503, "down") if first and down[0] else (200, "Work from left to right .")
+
+    out = tmp_path / "teacher.jsonl"
+    args = ["hints", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--levels", "1", "--out", str(out)]
+    with _ChatEndpoint(answer) as teacher:
+        assert cli.main([*args, "--teacher", teacher.url]) == 1
+        err = capsys.readouterr().err
+        assert "sage hints: 1 of 2 hints failed" in err and "(1 failed, 0 leaked)" in err and not out.exists()
+        down[0] = False
+        assert cli.main([*args, "--teacher", teacher.url]) == 0  # asked again: its resample is written
+    assert len(read_hints(out)) == 2
+
+    # every hint leaked, then went unanswered: failed, not "every one of the hints leaked"
+    out.unlink()
+    def leak_then_down(body):
+        row = next(r for r in rows if r["problem"] in body["messages"][-1]["content"])
+        return (200, f"The answer is {row['answer']} .") if body["temperature"] == 0 else (503, "down")
+
+    with _ChatEndpoint(leak_then_down) as teacher:
+        assert cli.main([*args, "--teacher", teacher.url]) == 1
+    err = capsys.readouterr().err
+    assert "sage hints: 2 of 2 hints failed" in err and "every one of" not in err and not out.exists()
+
+
+def test_a_hung_endpoint_costs_one_deadline_a_call_and_is_used_again_once_back(monkeypatch, caplog):
+    """A server that takes requests and never answers: a call's first wave times out together and the others are
+    never sent (no second deadline for the next wave); the next call sends one request first and the rest only once
+    it is answered, so a server back up writes every hint again."""
+    import threading
+    import time
+
+    from sage_core import hints
+
+    hung, released = [True], threading.Event()
+
+    def answer(body):
+        if not hung[0]:
+            return 200, "Add first ."
+
+        def reply(handler):  # never answers in time; let go when the test ends
+            released.wait(10)
+            try:
+                handler.send(200, b'{"choices": [{"message": {"content": "late"}}]}')
+            except OSError:
+                pass
+        return reply
+
+    prompts = [[{"role": "user", "content": f"Problem {i}"}] for i in range(6)]
+    with _ChatEndpoint(answer) as teacher:
+        try:
+            generate = hints._openai_generate(teacher.url, None, concurrency=2, backoff=0.01, timeout=0.5)
+            start = time.monotonic()
+            assert generate(prompts, 8, 0.0) == [None] * 6
+            took = time.monotonic() - start
+            assert len(teacher.bodies) == 2 and took < 0.9  # the first wave only, within one deadline
+            assert "the first 2 all went unanswered, so 4 were not sent" in caplog.text
+            assert generate(prompts, 8, 0.0) == [None] * 6
+            assert len(teacher.bodies) == 3  # one request first; unanswered, the others are not sent
+            assert "so one request was sent first and, unanswered, the 5 others were not sent" in caplog.text
+            hung[0] = False
+            assert generate(prompts, 8, 0.0) == ["Add first ."] * 6  # back up: used again, all of it
+            assert len(teacher.bodies) == 3 + 6
+            assert generate(prompts, 8, 0.0) == ["Add first ."] * 6 and teacher.most == 2
+        finally:
+            released.set()
+
+
+def test_sage_hints_stops_after_a_chunk_the_teacher_answered_none_of(monkeypatch, tmp_path, capsys):
+    """A teacher down after the check: the first chunk goes unanswered and the rest are not asked for (each chunk
+    would wait on it again); the command exits 1 saying so, and the same command later asks for all of them."""
+    from sage_core import cli
+
+    _fast_retries(monkeypatch)
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    out = tmp_path / "teacher.jsonl"
+    with _ChatEndpoint(lambda body: (503, "overloaded")) as teacher:
+        assert cli.main(["hints", "--set", "num_prompts=4", "--set", "prompts_per_step=4", "--levels", "1", "--out",
+                         str(out), "--chunk", "2", "--teacher", teacher.url]) == 1
+    err = capsys.readouterr().err
+    assert "sage hints: 2 of 4 hints failed" in err and "so the other 2 hints were not asked for" in err
+    assert len(teacher.bodies) == 2 * 3 and not out.exists()  # the first chunk's 2 requests, 3 tries each
