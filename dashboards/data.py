@@ -7,7 +7,8 @@ Caching policy
 - experiment list / run search: ``st.cache_data(ttl=...)`` so a live run shows up without a restart;
 - metric histories: ttl for RUNNING runs, no ttl for finished ones (the status is part of the choice);
 - tracker files: one frame per run, aggregated with pyarrow from ``tracker/step_*.parquet`` and cached by
-  ``(run_id, number of tracker files)``: a live run adds files, which changes the key; a finished run is read once.
+  ``(run_id, number of tracker files, end time)``: a live run adds files, which changes the key; a finished run is
+  read once per end (a resumed run that ends again is read again).
   Only the light columns are loaded for the whole run, each file's kept in memory (``_light_tables``, by file
   size and mtime), so a live run's new step reads one file; the heavy ones (completions, hints) are read for one
   prompt on demand, from just the step files that prompt appears in, and the problem texts from each prompt's

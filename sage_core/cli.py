@@ -4,6 +4,7 @@
     sage spec  --preset tiny-cpu [--set k=v ...]   print the validated RunSpec as JSON
     sage train --preset tiny-cpu [--spec f.json] [--set k=v ...] [--output-dir DIR] [--mlflow]
     sage eval  --model PATH --benchmark name=path [--benchmark ...] [--k 4] [--num-prompts 32]
+    sage hints --teacher URL|PATH|FILE --out hints.jsonl [--levels 1,2,3]   a teacher's hints for the spec's prompts
     sage launch --preset qwen2.5-7b [--gpus 0,1,...] [--config zero3] [--vllm-mode server] [--dry-run]
 
 A spec is built in three layers: the preset (tiny-cpu unless --preset names another), then the JSON file given
@@ -586,9 +587,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         # the folder against the spec the ranks train and record (the layout's vllm_mode, its server's URL): the
         # same launch run again resumes there
         check_run_dir(p.spec, out)
-        if args.dry_run:
+        if args.dry_run:  # the spec file is written, so the printed commands run as they are (on other nodes too)
+            p.output_dir.mkdir(parents=True, exist_ok=True)
+            p.spec_path.write_text(p.spec.model_dump_json(indent=2))
             print(f"# layout: {p.layout.describe()}")
-            print(f"# spec file: {p.spec_path} (written by launch)")
+            print(f"# spec file: {p.spec_path}")
             print(p.shell())
             return 0
         run_id = None

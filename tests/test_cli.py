@@ -471,7 +471,13 @@ def test_launch_dry_run_prints_commands(capsys, tmp_path, monkeypatch):
                     lines[0]), lines[0]
     assert lines[1].startswith("CUDA_VISIBLE_DEVICES=1,2,3,4,5,6,7 ")
     assert "--num_processes 7 --mixed_precision bf16 -m sage_core.cli train --spec" in lines[1]
-    assert not (tmp_path / "launch_spec.json").exists()  # dry run writes nothing
+    # the spec file the printed commands read is written (and nothing else), so they run as printed: on several
+    # nodes too (docs/gpu.md, "Several nodes")
+    spec_file = re.search(r"--spec (\S+)", lines[1]).group(1)
+    assert spec_file == str(tmp_path / "launch_spec.json") and sorted(p.name for p in tmp_path.iterdir()) == [
+        "launch_spec.json"]
+    written = json.loads((tmp_path / "launch_spec.json").read_text())
+    assert written["vllm_mode"] == "server" and written["prompts_per_step"] == 112 and written["vllm_server_base_url"]
     rc, out, _ = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "0,1,2,3,4,5,6,7", "--dry-run",
                          "--output-dir", str(tmp_path))
     assert rc == 0 and "zero3.yaml --num_processes 8" in out and "vllm serve" not in out
