@@ -11,6 +11,10 @@ from them), and the curation baselines dapo-filter, ada-seq, ada-est, sage-light
 Each variant runs as a `sage-train` subflow (evaluate before/after without hints, train); the shared "before"
 evaluation is computed once and reused through Prefect's cache. Re-running the study skips the variants that
 already finished (MLflow: same spec key, `sage.complete=true`, under the same study run) and resumes crashed ones.
+`method` and `hint_source` are set per variant (`methods` picks them; given to the study they are refused), and
+`teacher`/`teacher_model` reach the sage-teacher variant only: the study run's key leaves all four out, so a study
+re-run with another teacher is the same study, where sage-teacher (its spec changed) trains as a new child run and
+the other variants are found finished.
 The comparison table (one row per variant and seed) is published as the Prefect table artifact
 `<experiment>-comparison` and as `study/comparison.{parquet,csv,md}` on the study run.
 
@@ -19,7 +23,7 @@ sampling): every variant of a seed trains and is evaluated on that seed's prompt
 are paired by seed. `study/summary.{parquet,csv,md}` (and the table artifact `<experiment>-summary`) gives per
 variant the mean over seeds, the per-seed range of no-hint avg@k after training, and the paired change against GRPO
 of the same seed (mean, min, max). The study run is the same for any list of seeds (the seed is left out of its
-key; `match_budget` and `benchmarks` are in it): a later call trains only the variants and seeds not finished
+key, as are the fields set per variant; `match_budget` and `benchmarks` are in it): a later call trains only the variants and seeds not finished
 before, and its tables cover every variant and seed the study holds (what earlier calls finished too; the newest
 complete run of each), ordered by seed.
 """
@@ -37,7 +41,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from pydantic import Field, ValidationError
 
-from flows.common import end_status, row_from_run, runs_root, slug
+from flows.common import end_status, resolve_benchmarks, row_from_run, runs_root, slug
 from flows.params import PresetName, SpecPatch, resolve_spec, with_spec_overrides
 from flows.train_flow import Launcher, sage_train
 from sage_core import tracking
@@ -71,12 +75,24 @@ SUMMARY_COLUMNS = ["variant", "method", "hint_source", "k", "seeds", "failed", "
                    *SUMMARY_MEANS[1:]]
 
 
+# the fields variant_specs sets per variant: not the study's (it holds every variant, and every teacher tried)
+PER_VARIANT = {"method": "grpo", "hint_source": "online", "teacher": None, "teacher_model": None}
+
+
+def study_base(base: RunSpec) -> RunSpec:
+    """The spec common to a study's variants: the base with the fields each variant sets (PER_VARIANT) at fixed
+    values. The study run records it, and its key hashes it."""
+    return RunSpec(**{**base.model_dump(), **PER_VARIANT})
+
+
 def study_key(base: RunSpec, experiment: str, match_budget: bool = False,
               benchmarks: dict[str, str] | None = None) -> str:
-    """The study run's key: the experiment, the base spec without its seed (a study holds any seeds), and what else
-    makes its rows comparable (budget matching, the benchmark files): a budget-matched study and one of equal
-    steps are two studies, so neither's table takes in the other's variants."""
-    text = f"{experiment}\n{with_seed(base, 0).key()}"
+    """The study run's key: the experiment, the base spec without its seed (a study holds any seeds) nor the fields
+    each variant sets (method, hint source, teacher: a study re-run with a corrected teacher is the same study, its
+    finished variants found finished and the teacher variant trained again in it), and what else makes its rows
+    comparable (budget matching, the benchmark files): a budget-matched study and one of equal steps are two
+    studies, so neither's table takes in the other's variants."""
+    text = f"{experiment}\n{with_seed(study_base(base), 0).key()}"
     if match_budget:
         text += "\nmatch_budget"
     if benchmarks:
@@ -141,7 +157,9 @@ def variant_specs(base: RunSpec, methods: list[str], teacher: str | None = None,
     out GRPO's rollout count for the base spec (max_steps x prompts_per_step x G) or more (a step's rollouts are
     known only once it ran: it spends up to one step of its own more) and may take up to max_rounds x more steps
     to spend it: methods that re-roll or resample then train on fewer steps. Raises ValueError naming an unknown
-    variant or a teacher variant without a teacher."""
+    variant, none, or a teacher variant without a teacher."""
+    if not methods:
+        raise ValueError(f"methods is empty: give one or more variants of {list(VARIANTS)}")
     unknown = [m for m in methods if m not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {list(VARIANTS)}")
@@ -162,6 +180,32 @@ def variant_specs(base: RunSpec, methods: list[str], teacher: str | None = None,
             values["max_steps"] = base.max_steps * max(base.max_rounds, 4)
         out[name] = RunSpec(**values)
     return out
+
+
+def refuse_per_variant_fields(spec: SpecPatch | None, overrides: dict[str, Any]) -> None:  # type: ignore[valid-type]
+    """Raise ValueError, before anything runs, for `method` or `hint_source` given to the study (a field parameter,
+    or in `spec`): every variant sets its own (VARIANTS), so the value would be ignored."""
+    given = {f: overrides[f] for f in ("method", "hint_source") if overrides.get(f) is not None}
+    if spec is not None:
+        given |= {f: getattr(spec, f) for f in ("method", "hint_source")
+                  if f in spec.model_fields_set and getattr(spec, f) is not None and f not in given}
+    if given:
+        shown = ", ".join(f"{f}={v!r}" for f, v in given.items())
+        raise ValueError(f"hint-study sets method/hint_source per variant; use `methods` (choose from "
+                         f"{list(VARIANTS)}) instead of {shown}")
+
+
+def failed_row(experiment: str, parent_id: str, name: str, seed: int, vspec: RunSpec,
+               benchmarks: dict[str, str] | None) -> dict[str, Any]:
+    """The result row of a variant whose subflow failed: its child run's (the newest run of its spec in the study),
+    so that the table links to the run and keeps what it did before failing (the evaluation before training); a
+    row of its names alone where it failed before it had a run."""
+    runs = tracking.find_runs(experiment, spec_key=vspec.key(), kind="train", parent_run_id=parent_id)
+    if runs:
+        return {**row_from_run(runs[0].info.run_id, list(benchmarks) if benchmarks else None), "variant": name,
+                "status": "FAILED"}
+    return {"variant": name, "method": vspec.method, "seed": seed,
+            "hint_source": vspec.hint_source if vspec.uses_hints else "none", "status": "FAILED"}
 
 
 def earlier_rows(experiment: str, parent_id: str, planned: set[tuple[str, int]]) -> list[dict[str, Any]]:
@@ -337,6 +381,7 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None
         launcher: auto, local or accelerate (see sage-train).
     """
     logger = get_run_logger()
+    refuse_per_variant_fields(spec, overrides)
     try:
         base = resolve_spec(preset, spec, overrides)
     except ValidationError as e:
@@ -345,6 +390,8 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None
     methods = list(methods)
     seed_given = overrides.get("seed") is not None or (spec is not None and "seed" in spec.model_fields_set)
     seed_list = study_seeds(seeds, base, seed_given)
+    if benchmarks:  # a path that is not there fails now, not in each variant's run after it was made
+        resolve_benchmarks(base, benchmarks)
     plan: list[tuple[str, int, RunSpec]] = []  # (variant, seed, spec), seed by seed
     for seed in seed_list:
         seed_base = with_seed(base, seed)
@@ -358,7 +405,7 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None
     skey = study_key(base, experiment, match_budget, benchmarks)
     out = runs_root() / slug(experiment) / f"study-{skey}"
     parent_id, resumed = tracking.resume_or_create_run(
-        base, "study", out, experiment, run_name=f"hint-study-{preset or 'custom'}",
+        study_base(base), "study", out, experiment, run_name=f"hint-study-{preset or 'custom'}",
         tags={"sage.study_key": skey, "sage.methods": ",".join(methods), "sage.preset": preset})
     tracking.client().set_tag(parent_id, "sage.methods", ",".join(methods))
     tracking.client().set_tag(parent_id, "sage.seeds", ",".join(map(str, seed_list)))
@@ -384,9 +431,7 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None
             else:
                 failed.append(run_name)
                 logger.error("variant %s failed: %s", run_name, state.message)
-                rows.append({"variant": name, "method": vspec.method, "seed": seed,
-                             "hint_source": vspec.hint_source if vspec.uses_hints else "none",
-                             "status": "FAILED"})
+                rows.append(failed_row(experiment, parent_id, name, seed, vspec, benchmarks))
         rows += earlier_rows(experiment, parent_id, {(name, seed) for name, seed, _ in plan})
         # by seed; within a seed, this call's variants in their order, then the earlier ones
         rows.sort(key=lambda r: -1 if r.get("seed") is None else r["seed"])

@@ -344,7 +344,8 @@ _ACC = {"a": 0.2, "b": 0.6, "held": 0.2}
 @pytest.fixture
 def stubbed_train(tmp_path, monkeypatch):
     """run_training against a real MLflow store, with training and evaluation stubbed: `train["crash"]` kills the
-    next attempt; `train["evals"]` records each evaluation's (model kind, benchmarks, k)."""
+    next attempt, `train["fail_if"](spec)` true fails the attempts of that spec; `train["evals"]` records each
+    evaluation's (model kind, benchmarks, k)."""
     import logging
 
     import flows.train_flow as tf
@@ -366,6 +367,8 @@ def stubbed_train(tmp_path, monkeypatch):
         def __call__(self, spec, out, run_id, label, launcher, code):
             if state["crash"]:
                 raise state["crash"] if isinstance(state["crash"], BaseException) else RuntimeError("killed")
+            if state.get("fail_if") and state["fail_if"](spec):
+                raise ValueError(f"teacher {spec.teacher} is not there")
             if state.get("slow"):  # long enough for another flow run of the spec to come
                 time.sleep(state["slow"])
             state["trained"] = state.get("trained", 0) + 1
@@ -809,3 +812,75 @@ def test_the_default_teacher_variant_on_data_without_solutions_fails_early_sayin
     assert not list((tmp_path / "home").rglob("teacher-hints-*"))
     path = teacher_hints_file(RunSpec(num_prompts=8, prompts_per_step=4, max_steps=1), "syn-study")
     assert path.is_file() and len(path.read_text().splitlines()) == 8 * 3
+
+
+# ----------------------------------------------------------------------------------------------- study identity
+def test_the_study_key_leaves_out_what_each_variant_sets(tmp_path):
+    """variant_specs sets method, hint_source, teacher and teacher_model per variant: the study key does not hash
+    them (a re-run with a corrected teacher is the same study), and the other variants' specs do not depend on
+    them either."""
+    base = params.resolve_spec("tiny-cpu", None, {"max_steps": 2})
+    other = base.model_copy(update={"method": "sage", "hint_source": "teacher", "teacher": str(tmp_path / "t.jsonl"),
+                                    "teacher_model": "m"})
+    assert study_key(other, "e") == study_key(base, "e")
+    assert study_key(base.model_copy(update={"max_steps": 3}), "e") != study_key(base, "e")
+    hints = {t: variant_specs(base, ["grpo", "sage-teacher"], teacher=t) for t in ("a.jsonl", "b.jsonl")}
+    assert hints["a.jsonl"]["grpo"] == hints["b.jsonl"]["grpo"]
+    assert hints["a.jsonl"]["sage-teacher"].key() != hints["b.jsonl"]["sage-teacher"].key()
+    with pytest.raises(ValueError, match=r"methods is empty.*'grpo'.*'sage-teacher'"):
+        variant_specs(base, [])
+
+
+def _comparison(parent_id: str, dst: Path) -> pd.DataFrame:
+    dst.mkdir(parents=True, exist_ok=True)
+    return pd.read_parquet(tracking.client().download_artifacts(parent_id, "study/comparison.parquet", str(dst)))
+
+
+def test_a_study_rerun_with_another_teacher_is_the_same_study(prefect_harness, stubbed_train, tmp_path):
+    """A study whose teacher failed, run again with a corrected one: the same study run, where GRPO is found
+    finished (not trained again, still its child) and sage-teacher (another spec) trains as a new child, which the
+    tables show (not the failed one). The failed variant's row links to its run and keeps its 'before' score."""
+    bad, good = str(tmp_path / "bad.jsonl"), str(tmp_path / "good.jsonl")
+    stubbed_train["fail_if"] = lambda spec: spec.teacher == bad
+    kw = {"preset": "tiny-cpu", "methods": ["grpo", "sage-teacher"], "experiment": "t-teacher", "max_steps": 1,
+          "eval_k": 2}
+    with pytest.raises(RuntimeError, match=r"variants \['sage-teacher'\] failed"):
+        hint_study(**kw, teacher=bad)
+    (parent,) = tracking.find_runs("t-teacher", kind="study")
+    kids = {r.data.tags["sage.variant"]: r for r in tracking.find_runs("t-teacher", kind="train",
+                                                                       parent_run_id=parent.info.run_id)}
+    assert kids["sage-teacher"].info.status == "FAILED" and tracking.is_complete(kids["grpo"])
+    first = _comparison(parent.info.run_id, tmp_path / "1").set_index("variant")
+    assert first.loc["sage-teacher", "status"] == "FAILED"
+    assert first.loc["sage-teacher", "run_id"] == kids["sage-teacher"].info.run_id  # the table links to it
+    assert first.loc["sage-teacher", "avg_at_k_before"] == pytest.approx(_ACC["held"])  # it evaluated before
+    assert stubbed_train["trained"] == 1
+
+    rows = hint_study(**kw, teacher=good)
+    assert stubbed_train["trained"] == 2  # sage-teacher only: GRPO was found finished in the same study
+    (again,) = tracking.find_runs("t-teacher", kind="study")
+    assert again.info.run_id == parent.info.run_id
+    after = tracking.find_runs("t-teacher", kind="train", parent_run_id=parent.info.run_id)
+    assert len(after) == 3 and len(tracking.find_runs("t-teacher", kind="train")) == 3
+    new = next(r for r in after if r.data.params.get("sage.teacher") == good)
+    assert new.info.run_id != kids["sage-teacher"].info.run_id and tracking.is_complete(new)
+    assert [(r["variant"], r["run_id"], r["status"]) for r in rows] == [
+        ("grpo", kids["grpo"].info.run_id, "FINISHED"), ("sage-teacher", new.info.run_id, "FINISHED")]
+    table = _comparison(parent.info.run_id, tmp_path / "2")
+    assert list(table["run_id"]) == [kids["grpo"].info.run_id, new.info.run_id]
+
+
+def test_a_study_refuses_what_it_cannot_run_before_making_any_run(prefect_harness, stubbed_train, tmp_path):
+    """method/hint_source given to the study (each variant sets its own: they were ignored), no variant at all, or a
+    benchmark file that is not there (it failed in each variant's run, made first): an error naming the cause
+    before any MLflow run is made or anything trains."""
+    kw = {"preset": "tiny-cpu", "methods": ["grpo"], "experiment": "t-refuse", "max_steps": 1, "eval_k": 2}
+    per_variant = "hint-study sets method/hint_source per variant; use `methods`"
+    for bad, match in (({"method": "sage"}, per_variant + r".*method='sage'"),
+                       ({"spec": {"hint_source": "fixed"}}, per_variant + r".*hint_source='fixed'"),
+                       ({"methods": []}, r"methods is empty: give one or more variants of \['grpo', 'sage-light'")):
+        with pytest.raises(ValueError, match=match):
+            hint_study(**{**kw, **bad})
+    with pytest.raises(FileNotFoundError, match=r"benchmark 'a': .*nowhere\.jsonl does not exist"):
+        hint_study(**kw, benchmarks={"a": str(tmp_path / "nowhere.jsonl")})
+    assert tracking.find_runs("t-refuse") == [] and "trained" not in stubbed_train
