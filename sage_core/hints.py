@@ -404,12 +404,12 @@ class FixedHints(CachedHints):
 class TeacherHints(CachedHints):
     """Hints from another model. `teacher` is a hints file (.jsonl/.parquet with prompt_id, level, hint and, where
     `sage hints` wrote it, problem_sha), an OpenAI-compatible base URL (http[s]://host/v1; `model` names the served
-    model; checked when the source is built, see _check_endpoint; an API key from SAGE_TEACHER_API_KEY), or a local
-    model path."""
+    model; checked when the source is built, see _check_endpoint, unless `check` is False: a run that is done and
+    trains nothing need not reach it; an API key from SAGE_TEACHER_API_KEY), or a local model path."""
 
     name = "teacher"
 
-    def __init__(self, teacher: str, model: str | None = None, max_new_tokens: int = 256):
+    def __init__(self, teacher: str, model: str | None = None, max_new_tokens: int = 256, check: bool = True):
         super().__init__()
         self.teacher, self.model, self.max_new_tokens = teacher, model, max_new_tokens
         self._generate: GenerateFn | None = None
@@ -426,7 +426,7 @@ class TeacherHints(CachedHints):
                 raise DataError(f"teacher hints file {e}") from None
             self.hints = pick_hints(self.variants)[0]
         elif teacher.startswith(("http://", "https://")):
-            self._generate = _openai_generate(teacher, model)
+            self._generate = _openai_generate(teacher, model, check=check)
         else:  # checked now, loaded when the first hint is asked for (never before the policy)
             self._generate = _local_model_generate(teacher)
 
@@ -696,7 +696,7 @@ class _Call:
 
 def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHER_CONCURRENCY,
                      attempts: int = TEACHER_ATTEMPTS, backoff: float = 1.0,
-                     timeout: float = TEACHER_TIMEOUT) -> GenerateFn:
+                     timeout: float = TEACHER_TIMEOUT, check: bool = True) -> GenerateFn:
     """Chat completions from an OpenAI-compatible endpoint, `concurrency` requests at a time, with the API key of
     _teacher_key as a bearer token; the endpoint is checked first (_check_endpoint). A transient failure is retried
     (`attempts` tries, waiting backoff, 2 x backoff, ...; `timeout` seconds for a request, its tries included); one
@@ -713,7 +713,8 @@ def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHE
     url = base_url.rstrip("/") + "/chat/completions"
     key = _teacher_key()
     client = httpx.Client(headers={"Authorization": f"Bearer {key}"} if key else None)
-    _check_endpoint(client, base_url, model)
+    if check:
+        _check_endpoint(client, base_url, model)
     too_long: list[int] = []  # requests the server found over its context (warned about once)
     too_long_lock = threading.Lock()
     dead_since: float | None = None  # when a whole call last went unanswered (None: the endpoint answers)
@@ -952,7 +953,8 @@ def write_reference_hints(rows: Sequence[dict], path: str | Path) -> Path:
 
 
 def make_hint_source(name: str, output_dir: str | Path, teacher: str | None = None,
-                     teacher_model: str | None = None, max_new_tokens: int = 48) -> HintSource:
+                     teacher_model: str | None = None, max_new_tokens: int = 48, check: bool = True) -> HintSource:
+    """The hint source `name`; `check` False: a teacher endpoint is not asked whether it is up (a run that is done)."""
     if name == "online":
         return OnlineHints()
     if name == "fixed":
@@ -960,5 +962,5 @@ def make_hint_source(name: str, output_dir: str | Path, teacher: str | None = No
     if name == "teacher":
         if not teacher:
             raise ValueError("hint_source='teacher' needs `teacher`: a hints file, a model path or an endpoint URL")
-        return TeacherHints(teacher, teacher_model, max_new_tokens)
+        return TeacherHints(teacher, teacher_model, max_new_tokens, check=check)
     raise ValueError(f"unknown hint source {name!r}; choose online, fixed or teacher")

@@ -156,26 +156,59 @@ def final_step(final: Path) -> int | None:
         return None
 
 
-TRAIN_SECONDS_FILE = "sage_train_seconds.json"  # in each checkpoint: the training loop's seconds up to it
+TRAIN_SECONDS_FILE = "sage_train_seconds.json"  # in each checkpoint: the loop's and the wall seconds up to it
 
 
 class TrainTime(TrainerCallback):
-    """The training loop's time over every session of a run: each checkpoint records the seconds trained up to it
-    (earlier sessions' and this one's), and a resumed run starts from its checkpoint's. The time a killed session
-    spent after its last checkpoint is not counted: those steps are trained (and timed) again."""
+    """The training loop's time and the wall-clock time (model loading and saving included) over every session of a
+    run: each checkpoint records the seconds up to it (earlier sessions' and this one's), and a resumed run starts
+    from its checkpoint's. A session that ends at a checkpoint records its whole wall time there (record_wall), so
+    that a finished run entered again (a re-run after its evaluation crashed, a new worker) reports its sessions'
+    wall time, not the seconds it took to load. The time a killed session spent after its last checkpoint is not
+    counted: those steps are trained (and timed) again."""
 
-    def __init__(self, before: float = 0.0):
+    def __init__(self, before: float = 0.0, wall_before: float = 0.0, started: float | None = None):
         self.before, self.t0 = before, time.perf_counter()
+        self.wall_before, self.started = wall_before, self.t0 if started is None else started
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.t0 = time.perf_counter()
 
     def checkpoint_files(self) -> dict[str, dict]:
         """What the trainer writes beside each checkpoint it saves (SageGRPOTrainer._save_checkpoint)."""
-        return {TRAIN_SECONDS_FILE: {"train_seconds": self.seconds()}}
+        return {TRAIN_SECONDS_FILE: {"train_seconds": self.seconds(), "wall_seconds": self.wall_seconds()}}
 
     def seconds(self) -> float:
         return self.before + time.perf_counter() - self.t0
+
+    def wall_seconds(self) -> float:
+        """The run's wall seconds: its earlier sessions' (up to the checkpoint this one resumed from) and this one's
+        since it `started` (NaN where the checkpoint has no record of them)."""
+        return self.wall_before + time.perf_counter() - self.started
+
+    @staticmethod
+    def record_wall(ckpt: Path, wall: float) -> None:
+        """Record `wall` (the run's wall seconds at the end of a session) in the checkpoint it ended at, the one the
+        next session resumes from; its training seconds are kept. Replaced whole: a reader never sees half a file
+        (last_checkpoint takes the file for the mark of a whole checkpoint)."""
+        path = ckpt / TRAIN_SECONDS_FILE
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return  # not written by this version, or cut short: nothing to add the wall time to
+        tmp = path.with_name(f".{TRAIN_SECONDS_FILE}.{os.getpid()}")
+        tmp.write_text(json.dumps({**record, "wall_seconds": wall}))
+        tmp.replace(path)
+
+    @staticmethod
+    def wall_at(ckpt: Path | None) -> float:
+        """Wall seconds of the sessions up to a checkpoint (0 without one; NaN for one written before this record)."""
+        if ckpt is None:
+            return 0.0
+        try:
+            return float(json.loads((ckpt / TRAIN_SECONDS_FILE).read_text())["wall_seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return float("nan")
 
     @staticmethod
     def at(ckpt: Path | None) -> float:
@@ -259,7 +292,9 @@ def build_trl_grpo_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
     return trainer
 
 
-def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
+def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=(), check_teacher: bool = True):
+    """SageGRPOTrainer for `spec`. check_teacher False: a teacher endpoint is not asked whether it is up (a run that is
+    done and trains nothing: the server may be gone since)."""
     from .hints import OnlineHints, make_hint_source
     from .reward import boxed_reward
     from .schedulers import make_scheduler
@@ -268,7 +303,7 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
     # before the policy loads, so a bad teacher (no such file or model) fails at once; a method that uses no hints
     # builds none (an OnlineHints never asked), whatever hint_source and teacher say
     hint_source = make_hint_source(spec.hint_source, output_dir, spec.teacher, spec.teacher_model,
-                                   spec.hint_max_tokens) if spec.uses_hints else OnlineHints()
+                                   spec.hint_max_tokens, check=check_teacher) if spec.uses_hints else OnlineHints()
     args, dataset, model, tokenizer = _trainer_inputs(spec, output_dir)
     scheduler = make_scheduler(spec.method, light_min=spec.light_min, light_max=spec.light_max,
                                max_rounds=spec.max_rounds, weighting=spec.weighting,
@@ -413,6 +448,13 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
         raise
 
 
+def is_done(spec: RunSpec, step: int, state: TrainerState) -> bool:
+    """Whether a run whose checkpoint is at optimizer step `step` (its trainer state `state`) has nothing left to
+    train: max_steps reached (in optimizer steps: updates_per_generation a batch), or its rollout budget spent."""
+    return step >= spec.max_steps * spec.updates_per_generation or bool(
+        spec.rollout_budget and RolloutBudget.spent_in(state.log_history) >= spec.rollout_budget)
+
+
 def _train(spec: RunSpec, output_dir: str | Path, callbacks, resume: bool) -> TrainResult:
     from transformers import set_seed
 
@@ -434,8 +476,11 @@ def _train(spec: RunSpec, output_dir: str | Path, callbacks, resume: bool) -> Tr
         check_checkpoint(ckpt)
         check_tracker_files(output_dir, ckpt, spec.updates_per_generation)
     step = int(ckpt.name.split("-")[1]) if ckpt is not None else 0
-    clock = TrainTime(TrainTime.at(ckpt))
-    trainer = build_trainer(spec, output_dir, [*callbacks, clock])
+    clock = TrainTime(TrainTime.at(ckpt), TrainTime.wall_at(ckpt), started=t0)
+    state = TrainerState.load_from_json(str(ckpt / "trainer_state.json")) if ckpt is not None else None
+    done = state is not None and is_done(spec, step, state)
+    # a run that is done trains nothing: its teacher endpoint (maybe shut down since) is not asked whether it is up
+    trainer = build_trainer(spec, output_dir, [*callbacks, clock], check_teacher=not done)
     if stale := trainer.tracker.discard_after(step):
         log.warning("%s: %d tracker files of steps after %s were discarded (written after the last checkpoint, "
                     "or by an earlier run); those steps are trained again", output_dir, len(stale),
@@ -460,9 +505,6 @@ def _train(spec: RunSpec, output_dir: str | Path, callbacks, resume: bool) -> Tr
         log.info("resuming %s from %s (%s)", output_dir, ckpt.name, f"{replayed} tracker records replayed" if replayed
                  else "per-prompt state from the checkpoint")
     final = output_dir / "final"
-    state = TrainerState.load_from_json(str(ckpt / "trainer_state.json")) if ckpt is not None else None
-    done = state is not None and (step >= trainer.args.max_steps or bool(
-        spec.rollout_budget and RolloutBudget.spent_in(state.log_history) >= spec.rollout_budget))
     keep = done and final_step(final) == step  # final/ is this checkpoint's model already
     if done and not keep and getattr(trainer, "is_deepspeed_enabled", False):
         # ZeRO shards load only inside HF's training loop: resume as before (it trains one more step)
@@ -494,13 +536,14 @@ def _train(spec: RunSpec, output_dir: str | Path, callbacks, resume: bool) -> Tr
         for cb in callbacks:
             if hasattr(cb, "log_final_model"):
                 cb.log_final_model(final, trainer.state.global_step)
-    wall = time.perf_counter() - t0
+    wall = clock.wall_seconds()  # every session's, model loading and saving included
     history = list(trainer.state.log_history)
     summary = summarize(history, trainer.tracker)
     # a resumed run: its earlier sessions' training time too (all of it, where this session trained nothing)
     summary["train_seconds"] = clock.before if done else summary["train_seconds"] + clock.before
-    summary["wall_seconds"] = wall  # this session's, model loading included
+    summary["wall_seconds"] = wall
     if trainer.accelerator.is_main_process:  # the main process's times (each process measures its own)
+        TrainTime.record_wall(output_dir / f"checkpoint-{trainer.state.global_step}", wall)
         (output_dir / "summary.json").write_text(json.dumps(strict_json(summary), indent=2, allow_nan=False))
     release_vllm(trainer)
     return TrainResult(output_dir, final, Path(trainer.args.tracker_dir), trainer.state.global_step, wall,

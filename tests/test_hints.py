@@ -1026,6 +1026,24 @@ def test_sage_train_with_an_endpoint_teacher_nobody_serves_exits_2_before_the_po
     assert f"sage train: teacher endpoint {url} gives no answer to GET {url}/models" in capsys.readouterr().err
 
 
+def test_a_finished_run_with_an_endpoint_teacher_run_again_does_not_need_the_endpoint(monkeypatch, tmp_path):
+    """A run that is done trains nothing when run again (a requeued job, a flow re-run after its evaluation crashed):
+    its teacher server, shut down since, is not asked whether it is up (that would wait SAGE_TEACHER_STARTUP_WAIT,
+    then fail a run with nothing to do)."""
+    from sage_core.presets import preset
+    from sage_core.train import train
+
+    _fast_retries(monkeypatch)
+    with _ChatEndpoint(lambda body: (200, "Add the two numbers first.")) as server:
+        spec = preset("tiny-cpu").model_copy(update=dict(
+            method="sage", hint_source="teacher", teacher=server.url, num_prompts=4, prompts_per_step=4,
+            max_steps=1, save_steps=1))
+        first = train(spec, tmp_path / "run")
+    assert first.global_step == 1 and server.bodies  # the teacher wrote hints while it trained
+    again = train(spec, tmp_path / "run")  # the server is gone: nothing to train, nothing asked
+    assert again.global_step == 1 and (tmp_path / "run" / "final").is_dir()
+
+
 def _redirect_to(location, status=307):
     """A reply (for _ChatEndpoint) that redirects to `location`, as an http -> https redirect or an ingress does."""
     def reply(handler):

@@ -855,3 +855,32 @@ def test_training_ended_by_an_error_tells_each_callback_that_ends_a_run(tmp_path
     with pytest.raises(RunFolderTaken):
         train(small("grpo", seed=2), tmp_path, callbacks=[Ends()])
     assert len(ended) == 1 and isinstance(ended[0], RunFolderTaken)
+
+
+def test_wall_seconds_cover_every_session_of_a_run(tiny_model_dir, tmp_path):
+    """summary["wall_seconds"] was the session's alone: a finished run entered again (nothing to train: a flow re-run
+    after its evaluation crashed, a new worker) reported the seconds it took to load, and a resumed run only its own
+    session. Each checkpoint now records the wall seconds up to it, and the session that ends at it its whole time,
+    as it does the training loop's seconds: the run reports all its sessions'."""
+    import time as time_mod
+
+    from transformers import TrainerCallback
+
+    from sage_core.train import TRAIN_SECONDS_FILE
+
+    class SlowEnd(TrainerCallback):  # time spent after the last checkpoint was saved (uploading final/, say)
+        def log_final_model(self, final, step):
+            time_mod.sleep(1.0)
+
+    spec = small("grpo", num_prompts=4, max_steps=2, save_steps=1)
+    one = train(spec.model_copy(update={"max_steps": 1}), tmp_path, callbacks=[SlowEnd()])
+    first = one.summary["wall_seconds"]
+    assert first == one.wall_seconds > 1.0
+    again = train(spec.model_copy(update={"max_steps": 1}), tmp_path)  # done: nothing to train
+    assert again.summary["wall_seconds"] == again.wall_seconds >= first
+    assert TrainTime.wall_at(tmp_path / "checkpoint-1") == pytest.approx(again.wall_seconds)  # recorded at its end
+    assert json.loads((tmp_path / "summary.json").read_text())["wall_seconds"] == again.wall_seconds
+    resumed = train(spec, tmp_path)  # one step more
+    assert resumed.global_step == 2 and resumed.summary["wall_seconds"] >= again.wall_seconds
+    assert json.loads((tmp_path / "checkpoint-2" / TRAIN_SECONDS_FILE).read_text())["wall_seconds"] == \
+        pytest.approx(resumed.wall_seconds)
