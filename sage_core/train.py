@@ -203,20 +203,16 @@ class TrainTime(TrainerCallback):
     @staticmethod
     def wall_at(ckpt: Path | None) -> float:
         """Wall seconds of the sessions up to a checkpoint (0 without one; NaN for one written before this record)."""
-        if ckpt is None:
-            return 0.0
-        try:
-            return float(json.loads((ckpt / TRAIN_SECONDS_FILE).read_text())["wall_seconds"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return float("nan")
+        return TrainTime.at(ckpt, "wall_seconds")
 
     @staticmethod
-    def at(ckpt: Path | None) -> float:
-        """Seconds trained up to a checkpoint (0 without one; NaN for a checkpoint written before this record)."""
+    def at(ckpt: Path | None, key: str = "train_seconds") -> float:
+        """Seconds trained (`key`: or wall seconds) up to a checkpoint (0 without one; NaN for a checkpoint written
+        before this record)."""
         if ckpt is None:
             return 0.0
         try:
-            return float(json.loads((ckpt / TRAIN_SECONDS_FILE).read_text())["train_seconds"])
+            return float(json.loads((ckpt / TRAIN_SECONDS_FILE).read_text())[key])
         except (OSError, ValueError, KeyError, TypeError):
             return float("nan")
 
