@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Literal
 
 from .spec import RunSpec, layout_error
+
+logger = logging.getLogger(__name__)
 
 AccelerateConfig = Literal["zero3", "fsdp", "multi_gpu", "single_gpu"]
 ACCELERATE_CONFIGS: tuple[str, ...] = ("zero3", "fsdp", "multi_gpu", "single_gpu")
@@ -359,14 +362,32 @@ class LaunchResult:
 
 
 def _pump(stream, sink: Callable[[str], None], fh, tail: deque | None) -> None:
+    """Copy a child's output to its log file, `tail` and `sink` until the child closes it. A sink that fails is not
+    called again, but the output is still read: a child whose pipe nobody reads blocks once it holds 64 KB."""
     for line in iter(stream.readline, ""):
         line = line.rstrip("\n")
         fh.write(line + "\n")
         fh.flush()
         if tail is not None:
             tail.append(line)
-        sink(line)
+        if sink is not None:
+            try:
+                sink(line)
+            except Exception as e:  # noqa: BLE001 - the log file still gets every line
+                logger.warning("launch: a log line could not be passed on (%s: %s); the rest go to %s only",
+                                   type(e).__name__, e, getattr(fh, "name", "the log file"))
+                sink = None
     stream.close()
+
+
+def _wait(proc: subprocess.Popen, poll: float = 1.0) -> int:
+    """proc.wait() that a stop (Ctrl-C, SIGTERM raised as an exception) interrupts within `poll` seconds: a signal
+    that lands on another thread does not wake a blocking waitpid in the main thread."""
+    while True:
+        try:
+            return proc.wait(timeout=poll)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def wait_for_server(url: str, timeout: float = 900.0, proc: subprocess.Popen | None = None,
@@ -417,7 +438,7 @@ def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId
     (p.output_dir / RESULT_FILE).unlink(missing_ok=True)
     log(f"[sage.launch] layout {p.layout.describe()}")
     log_path = p.output_dir / "launch.log"
-    server = proc = None
+    server = proc = reader = None
     threads: list[threading.Thread] = []
     tail: deque[str] = deque(maxlen=60)
     files = contextlib.ExitStack()
@@ -434,15 +455,20 @@ def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId
             wait_for_server(p.server_url or f"http://127.0.0.1:{port}", server_timeout, server)
             log(f"[sage.launch] vllm serve healthy at {p.server_url}")
         log(f"[sage.launch] running: {' '.join(p.train_cmd)}")
-        with open(log_path, "a") as fh:
-            proc = subprocess.Popen(p.train_cmd, env=p.train_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, bufsize=1, cwd=str(Path.cwd()))
-            _pump(proc.stdout, log, fh, tail)
-            rc = proc.wait()
+        fh = files.enter_context(open(log_path, "a"))  # noqa: SIM115
+        proc = subprocess.Popen(p.train_cmd, env=p.train_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1, cwd=str(Path.cwd()))
+        # read on a thread of its own, so that the ranks' output is still read while they stop (the finally below)
+        reader = threading.Thread(target=_pump, args=(proc.stdout, log, fh, tail), daemon=True)
+        reader.start()
+        rc = _wait(proc)
+        reader.join()
     finally:
         # stopped (Ctrl-C, or SIGTERM raised as an exception by `sage launch`; a SIGTERM to this process alone does
         # not reach the ranks): the ranks are stopped first, while the server they use is still up
         _stop(proc, "the training processes", log)
+        if reader is not None:
+            reader.join(timeout=30)  # the ranks' last lines (why they stopped) into the log
         if server is not None and server.poll() is None:
             server.terminate()
             try:

@@ -256,22 +256,34 @@ def test_launch_failure_raises_with_tail(tmp_path, monkeypatch):
     assert res.returncode == 3 and res.result is None and res.tail == ["boom"]
 
 
-def test_a_stopped_launch_stops_its_training_processes(tmp_path, monkeypatch):
-    """launch() stopped while the ranks train (Ctrl-C, or `sage launch`'s SIGTERM raised in its main thread: here the
-    log callback raises, as the signal would in the pump) stops the `accelerate launch` child it started: the
-    ranks would otherwise train on, holding the GPUs, into a run already marked KILLED."""
+def test_a_stopped_launch_stops_its_training_processes_and_reads_their_last_words(tmp_path, monkeypatch):
+    """launch() stopped while the ranks train (here a real SIGINT, as Ctrl-C; `sage launch` raises SIGTERM the same
+    way) stops the `accelerate launch` child it started, which would otherwise train on, holding the GPUs, into a run
+    already marked KILLED. The child's output is still read while it stops: ranks that print more than a pipe holds
+    (tracebacks, warnings) on their way out would otherwise block, and be SIGKILLed a minute later, their last lines
+    lost."""
+    import os
+    import signal
+
     beat = tmp_path / "beat"
-    loop = (f"import time, pathlib\nbeat = pathlib.Path({str(beat)!r})\nbeat.write_text(str(time.time()))\n"
-            "print('rank0', 'up', flush=True)\nwhile True:\n    beat.write_text(str(time.time())); time.sleep(0.1)\n")
-    monkeypatch.setattr(L, "accelerate_command", lambda *a, **kw: [sys.executable, "-c", loop])
+    child = (f"import pathlib, signal, sys, time\nbeat = pathlib.Path({str(beat)!r})\n"
+             "def stop(*_):\n    sys.stdout.write('shutting down ' * 20000 + '\\n')\n    print('bye', flush=True)\n"
+             "    sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, stop)\nbeat.write_text(str(time.time()))\nprint('rank0', 'up', flush=True)\n"
+             "while True:\n    beat.write_text(str(time.time())); time.sleep(0.1)\n")
+    monkeypatch.setattr(L, "accelerate_command", lambda *a, **kw: [sys.executable, "-c", child])
+    lines: list[str] = []
 
     def log(line: str) -> None:
-        if "rank0 up" in line:
-            raise KeyboardInterrupt
+        lines.append(line)
+        if line == "rank0 up":
+            os.kill(os.getpid(), signal.SIGINT)
 
+    t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         L.launch(RunSpec(), tmp_path / "run", gpus=[0], log=log)
-    time.sleep(0.5)  # a child still alive would write again meanwhile
+    assert time.monotonic() - t0 < 30, "the child was not stopped at once"
+    assert lines[-1] == "bye" and "bye" in (tmp_path / "run" / "launch.log").read_text()  # read while it stopped
     first = beat.read_text()
     time.sleep(0.5)
     assert beat.read_text() == first, "the training process outlived launch()"
