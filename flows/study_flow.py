@@ -273,7 +273,8 @@ def seed_summary(table: pd.DataFrame) -> pd.DataFrame:
         row: dict[str, Any] = {"variant": variant, "method": d["method"].iloc[0],
                                "hint_source": d["hint_source"].iloc[0], "k": d["k"].dropna().max(),
                                "seeds": len(done), "failed": int((d["status"] == "FAILED").sum())}
-        row.update({c: d[c].mean() for c in SUMMARY_MEANS})
+        ok = d[d["status"] != "FAILED"]  # a failed run's row keeps what it recorded; its numbers are no result
+        row.update({c: ok[c].mean() for c in SUMMARY_MEANS})
         row["avg_at_k_after_min"], row["avg_at_k_after_max"] = done["avg_at_k_after"].min(), done[
             "avg_at_k_after"].max()
         diffs = (done["avg_at_k_after"] - grpo_after[done.index]).dropna() if row["method"] != "grpo" else pd.Series(dtype=float)

@@ -138,12 +138,16 @@ def test_multi_seed_table_pairs_by_seed():
     rows = [_seed_row("grpo", "grpo", 0, 0.30, 8.0), _seed_row("sage-light", "sage-light", 0, 0.35, 12.0),
             _seed_row("grpo", "grpo", 1, 0.20, 10.0), _seed_row("sage-light", "sage-light", 1, 0.26, 11.0),
             _seed_row("grpo", "grpo", 2, 0.40, 9.0),
-            {"variant": "sage-light", "method": "sage-light", "hint_source": "online", "seed": 2, "status": "FAILED"}]
+            # a failed variant's row keeps what its run recorded before it failed (flows.study_flow.failed_row): in
+            # the table, not in the means over seeds
+            {"variant": "sage-light", "method": "sage-light", "hint_source": "online", "seed": 2, "status": "FAILED",
+             "run_id": "sage-light2", "avg_at_k_before": 0.2, "never_solved": 0.9, "frac_collapsed": 0.1,
+             "train_seconds": 30.0}]
     df = comparison_table(rows)
     assert list(df["seed"]) == [0, 0, 1, 1, 2, 2] and df["seed"].dtype.kind == "i"
     # the time ratio is against GRPO of the same seed, not the first GRPO row
     assert list(df["train_vs_grpo"].round(6))[:4] == [1.0, 1.5, 1.0, 1.1]
-    assert math.isnan(df.loc[5, "train_vs_grpo"])
+    assert df.loc[5, "status"] == "FAILED" and df.loc[5, "train_vs_grpo"] == pytest.approx(30 / 9)  # as recorded
     s = seed_summary(df).set_index("variant")
     assert list(s.index) == ["grpo", "sage-light"] and list(s.columns) == SUMMARY_COLUMNS[1:]
     light, grpo = s.loc["sage-light"], s.loc["grpo"]
@@ -155,6 +159,7 @@ def test_multi_seed_table_pairs_by_seed():
     assert math.isclose(light["vs_grpo_min"], 0.05) and math.isclose(light["vs_grpo_max"], 0.06)
     assert math.isnan(grpo["vs_grpo"]) and grpo["vs_grpo_seeds"] == 0
     assert math.isclose(light["train_vs_grpo"], 1.3)  # mean of 1.5 and 1.1
+    assert (light["never_solved"], light["frac_collapsed"]) == (0.5, 0.7)  # the finished seeds' only
     card = report_card(df, "t")
     # the paired change says over how many seeds it is taken (GRPO's mean is over 3, SAGE-LIGHT's over 2)
     assert "3 seeds" in card and "| sage-light | 2 | 0.305 (0.260..0.350) | +0.055 (+0.050..+0.060) 2 seeds |" in card
