@@ -122,8 +122,9 @@ class PromptTracker:
                 yield rec
 
     def check_files(self, up_to_step: int | None = None) -> None:
-        """Open the files of steps <= up_to_step as a replay would, reading only their footers: a resume that takes
-        its state from the checkpoint still refuses, naming it, a file cut short (its footer is the file's end)."""
+        """Open the files of steps <= up_to_step as a replay would, reading only their footers: a resume refuses,
+        naming it, a file cut short (its footer is the file's end) before the policy loads, also where it then takes
+        its state from the checkpoint and reads no file (train.check_tracker_files)."""
         for f in self.files(up_to_step):
             try:
                 with pq.ParquetFile(f):

@@ -400,19 +400,21 @@ def check_tracker_files(output_dir: Path, ckpt: Path, every: int = 1) -> None:
     per-prompt record (the dashboard's, never_solved's), and from a checkpoint without the state file the per-prompt
     state (the SAGE-LIGHT levels, the prompts ever solved) is replayed from them. Missing ones (a checkpoint copied
     without tracker/, files deleted) would leave a gap in that record or reset that state silently: a DataError
-    listing their steps and the folder."""
+    listing their steps and the folder. A file cut short is refused too (PromptTracker.check_files), before the
+    policy loads, whether the state is then read from the checkpoint or replayed."""
     from .data import DataError
-    from .tracker import step_of
+    from .tracker import PromptTracker, step_of
 
-    tdir = output_dir / "tracker"  # SageConfig's tracker_dir (build_config sets none)
-    have = {step_of(p.name) for p in tdir.glob("step_*.parquet")}
-    step = int(ckpt.name.split("-")[1])
+    tracker = PromptTracker(output_dir / "tracker", write=False)  # SageConfig's tracker_dir (build_config sets none)
+    tdir, step = tracker.dir, int(ckpt.name.split("-")[1])
+    have = {step_of(f.name) for f in tracker.files(step)}
     if missing := [s for s in range(1, step + 1, every) if s not in have]:
         one = len(missing) == 1
         it = "it" if one else "them"
         raise DataError(f"{tdir}: the tracker {'file of step' if one else 'files of steps'} {_spans(missing)} "
                         f"{'is' if one else 'are'} missing (resuming from {ckpt.name}): the run's per-prompt record and "
                         f"state are kept in the tracker files: restore {it}, or start over (--no-resume)")
+    tracker.check_files(step)
 
 
 def _spans(steps: list[int], most: int = 8) -> str:

@@ -717,7 +717,6 @@ class SageGRPOTrainer(GRPOTrainer):
         if rng is not None and hasattr(self.scheduler, "load_rng_state"):
             self.scheduler.load_rng_state(rng)
         if (saved := self._saved_state(checkpoint, up_to_step)) is not None:
-            self.tracker.check_files(up_to_step)  # not read, but the run's record: one cut short is refused
             self.scheduler.load_state(saved["scheduler"])
             self.tracker.load_state(saved["tracker"])
             return 0

@@ -807,8 +807,8 @@ def test_tracker_files_are_expected_once_per_rollout_batch(tmp_path):
     from sage_core.train import _spans, check_tracker_files
 
     (tmp_path / "tracker").mkdir()
-    for step in (1, 3, 5):
-        (tmp_path / "tracker" / f"step_{step:06d}.parquet").write_bytes(b"")
+    for step in (1, 3, 5):  # whole Parquet files: the check also refuses one cut short
+        pd.DataFrame({"step": [step]}).to_parquet(tmp_path / "tracker" / f"step_{step:06d}.parquet")
     check_tracker_files(tmp_path, tmp_path / "checkpoint-6", every=2)
     (tmp_path / "tracker" / "step_000003.parquet").unlink()
     with pytest.raises(DataError, match=r"the tracker file of step 3 is missing \(resuming from checkpoint-6\)"):
