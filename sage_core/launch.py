@@ -375,7 +375,7 @@ def _pump(stream, sink: Callable[[str], None], fh, tail: deque | None) -> None:
                 sink(line)
             except Exception as e:  # noqa: BLE001 - the log file still gets every line
                 logger.warning("launch: a log line could not be passed on (%s: %s); the rest go to %s only",
-                                   type(e).__name__, e, getattr(fh, "name", "the log file"))
+                               type(e).__name__, e, getattr(fh, "name", "the log file"))
                 sink = None
     stream.close()
 
@@ -408,7 +408,8 @@ def wait_for_server(url: str, timeout: float = 900.0, proc: subprocess.Popen | N
 
 
 def _stop(proc: subprocess.Popen | None, what: str, log: Callable[[str], None], timeout: float = 60.0) -> None:
-    """SIGTERM to a child still running (accelerate's agent passes it on to the ranks), SIGKILL after `timeout`."""
+    """SIGTERM to a child still running (accelerate's agent passes it on to the ranks; vllm serve shuts down), SIGKILL
+    after `timeout`."""
     if proc is None or proc.poll() is not None:
         return
     log(f"[sage.launch] stopping {what} (pid {proc.pid})")
@@ -469,13 +470,7 @@ def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId
         _stop(proc, "the training processes", log)
         if reader is not None:
             reader.join(timeout=30)  # the ranks' last lines (why they stopped) into the log
-        if server is not None and server.poll() is None:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+        _stop(server, "vllm serve", log)
         for t in threads:
             t.join(timeout=5)
         files.close()
