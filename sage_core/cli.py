@@ -588,8 +588,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         # same launch run again resumes there
         check_run_dir(p.spec, out)
         if args.dry_run:  # the spec file is written, so the printed commands run as they are (on other nodes too)
-            p.output_dir.mkdir(parents=True, exist_ok=True)
-            p.spec_path.write_text(p.spec.model_dump_json(indent=2))
+            p.write_spec()
             print(f"# layout: {p.layout.describe()}")
             print(f"# spec file: {p.spec_path}")
             print(p.shell())

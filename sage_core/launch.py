@@ -285,6 +285,12 @@ class LaunchPlan:
                      f"{shlex.join(self.train_cmd)}")
         return "\n".join(lines)
 
+    def write_spec(self) -> None:
+        """Write the spec file the train command reads (launch() does before it runs; a dry run too, so the printed
+        commands run as they are)."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.spec_path.write_text(self.spec.model_dump_json(indent=2))
+
 
 def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId] | None = None,
          config: str | None = None, vllm_mode: str | None = None, server_gpus: int = 1, port: int = 8000,
@@ -434,8 +440,7 @@ def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId
     p = plan(spec, output_dir, gpus=gpus, config=config, vllm_mode=vllm_mode, server_gpus=server_gpus, port=port,
              server_gpu_mem=server_gpu_mem, main_process_port=main_process_port, env=env,
              mlflow_run_id=mlflow_run_id)
-    p.output_dir.mkdir(parents=True, exist_ok=True)
-    p.spec_path.write_text(p.spec.model_dump_json(indent=2))
+    p.write_spec()
     (p.output_dir / RESULT_FILE).unlink(missing_ok=True)
     log(f"[sage.launch] layout {p.layout.describe()}")
     log_path = p.output_dir / "launch.log"
