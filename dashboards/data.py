@@ -24,6 +24,7 @@ import re
 import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,6 +386,16 @@ def _tracker_folder(uri: str, run_id: str, artifact_uri: str, files: dict[str, i
     return _fetch_files(uri, run_id, artifact_uri, TRACKER_DIR, files)
 
 
+def _run_files(uri: str, run_id: str, artifact_uri: str, n_files: int,
+               pick: Callable[[list[str]], list[str]] | None = None) -> tuple[Path | None, list[str]]:
+    """The run's first `n_files` tracker files (those `pick` chooses of them) and a local folder holding them (a
+    remote store's fetched: only these, only where missing or resized); no folder where there are none."""
+    listing = _list_tracker(uri, run_id, artifact_uri) if n_files else {}
+    names = list(listing)[:n_files]
+    names = pick(names) if pick is not None and names else names
+    return (_tracker_folder(uri, run_id, artifact_uri, {n: listing[n] for n in names}) if names else None), names
+
+
 def _read_tables(paths: list[Path], columns: list[str], prompt_id: str | None = None) -> pa.Table | None:
     tables = []
     for path in paths:
@@ -537,11 +548,9 @@ def tracker_frame(uri: str, run_id: str, artifact_uri: str, n_files: int, ended:
     ends again later). Few entries: a live run's earlier keys never come back, and a miss reads only the files not
     in the per-file cache (`_light_tables`).
     """
-    listing = _list_tracker(uri, run_id, artifact_uri) if n_files else {}
-    names = list(listing)[:n_files]
+    folder, names = _run_files(uri, run_id, artifact_uri, n_files)
     if not names:
         return _defaults(pd.DataFrame(), LIGHT_COLUMNS)
-    folder = _tracker_folder(uri, run_id, artifact_uri, {n: listing[n] for n in names})
     return _frame_of(_light_tables(folder, names))
 
 
@@ -549,11 +558,11 @@ def tracker_frame(uri: str, run_id: str, artifact_uri: str, n_files: int, ended:
 def prompt_detail(uri: str, run_id: str, artifact_uri: str, n_files: int, prompt_id: str,
                   steps: tuple[int, ...]) -> pd.DataFrame:
     """Every tracker row (all columns) of one prompt, reading (and fetching) only the step files it appears in."""
-    listing = _list_tracker(uri, run_id, artifact_uri)
-    names = list(listing)[:n_files]
-    by_step = {int(TRACKER_RE.match(n).group(1)): n for n in names}
-    wanted = [by_step[s] for s in steps if s in by_step] or names
-    folder = _tracker_folder(uri, run_id, artifact_uri, {n: listing[n] for n in wanted})
+    def of_steps(names: list[str]) -> list[str]:
+        by_step = {int(TRACKER_RE.match(n).group(1)): n for n in names}
+        return [by_step[s] for s in steps if s in by_step] or names
+
+    folder, wanted = _run_files(uri, run_id, artifact_uri, n_files, of_steps)
     table = _read_tables([folder / n for n in wanted], DETAIL_COLUMNS, prompt_id=str(prompt_id))
     if table is None:
         return _defaults(pd.DataFrame(), DETAIL_COLUMNS)
@@ -568,11 +577,9 @@ def prompt_texts(uri: str, run_id: str, artifact_uri: str, n_files: int) -> pd.D
     (a 3000-step run of 10k prompts: about 50 files), not every file of the run.
     """
     empty = pd.DataFrame(columns=["prompt_id", "problem", "answer"])
-    listing = _list_tracker(uri, run_id, artifact_uri)
-    names = list(listing)[:n_files]
+    folder, names = _run_files(uri, run_id, artifact_uri, n_files)
     if not names:
         return empty
-    folder = _tracker_folder(uri, run_id, artifact_uri, {n: listing[n] for n in names})
     tables = _light_tables(folder, names)
     ids = pa.chunked_array([c for t in tables for c in t.column("prompt_id").chunks], LIGHT_TYPES["prompt_id"])
     ids = ids.to_pandas()
