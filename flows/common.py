@@ -18,7 +18,6 @@ import contextlib
 import fcntl
 import math
 import os
-import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +29,7 @@ from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
 from transformers import TrainerCallback
 
 from sage_core import tracking
+from sage_core.data import heldout_name, slug
 from sage_core.spec import RunSpec, recorded_spec
 
 SUMMARY_KEYS = ("never_solved", "never_solved_no_hint", "frac_collapsed", "frac_rescued", "rollouts", "rescued",
@@ -39,11 +39,6 @@ NOT_TRANSIENT = (ValueError, TypeError, KeyError, ImportError, NotImplementedErr
 
 
 # ----------------------------------------------------------------------------------------------- paths
-def slug(s: str) -> str:
-    """Lowercase letters, digits and dashes (what Prefect artifact keys accept)."""
-    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", s.lower())).strip("-") or "x"
-
-
 def runs_root() -> Path:
     return tracking.sage_home() / "runs"
 
@@ -104,8 +99,7 @@ def default_benchmarks(spec: RunSpec) -> dict[str, Any]:
 
     rows = eval_rows(spec)
     rows = rows.to_list() if hasattr(rows, "to_list") else list(rows)
-    name = "synthetic" if spec.data == "synthetic" else slug(Path(spec.data).stem or spec.data)
-    return {f"{name}-heldout": rows}
+    return {heldout_name(spec): rows}
 
 
 def resolve_benchmarks(spec: RunSpec, benchmarks: dict[str, str] | None) -> dict[str, Any]:

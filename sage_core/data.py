@@ -566,6 +566,16 @@ def drop_long_prompts(dataset, tokenizer, max_len: int):
 EVAL_SEED_OFFSET = 100_003
 
 
+def slug(s: str) -> str:
+    """Lowercase letters, digits and dashes (what Prefect artifact keys accept)."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", s.lower())).strip("-") or "x"
+
+
+def heldout_name(spec: Any) -> str:
+    """The name eval_rows(spec) is reported under: `<data>-heldout`."""
+    return f"{'synthetic' if spec.data == 'synthetic' else slug(Path(spec.data).stem or spec.data)}-heldout"
+
+
 def eval_rows(spec: Any):
     """Held-out no-hint evaluation rows of a RunSpec (spec.eval_num_prompts of them).
 

@@ -102,6 +102,11 @@ class RunSpec(BaseModel):
     eval_num_prompts: int = Field(32, ge=1)
     eval_temperature: float = Field(0.6, ge=0.0, description="0 = greedy")
     eval_top_p: float = Field(0.95, gt=0.0, le=1.0)
+    eval_every: int | None = Field(None, ge=1, description="during training, every this many steps (and at the last): "
+                                                          "no-hint avg@k / pass@k of the policy on the held-out set, "
+                                                          "as MLflow metrics eval/during/<set>/avg_at_<k>, pass_at_<k>; "
+                                                          "it does not change training (its sampling has its own "
+                                                          "RNG)")
 
     @model_validator(mode="after")
     def _check(self) -> "RunSpec":
@@ -122,8 +127,10 @@ class RunSpec(BaseModel):
         return self
 
     def key(self) -> str:
-        """A stable hash of the spec, used for caching and for finding the MLflow run of a spec."""
-        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+        """A stable hash of the spec, used for caching and for finding the MLflow run of a spec. Fields that do not
+        change what is trained and were added after runs existed (NOT_IN_KEY) are left out: a run keeps its key."""
+        fields = {k: v for k, v in self.model_dump().items() if k not in NOT_IN_KEY}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def uses_hints(self) -> bool:
@@ -158,8 +165,9 @@ def layout_error(spec: RunSpec, world: int) -> str | None:
 # RunSpec fields a run may change when it continues in its output dir: when it stops and saves, how it is evaluated,
 # where and in how much memory vLLM runs. A change to any other field makes it another run.
 RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "rollout_budget", "eval_k", "eval_num_prompts",
-                              "eval_temperature", "eval_top_p", "vllm_server_base_url",
+                              "eval_temperature", "eval_top_p", "eval_every", "vllm_server_base_url",
                               "vllm_gpu_memory_utilization"})
+NOT_IN_KEY = frozenset({"eval_every"})  # evaluation while training: the same run, trained the same, with or without
 
 
 PATH_FIELDS = ("model", "data", "teacher")  # a local path, a built-in name, a hub id or (teacher) a URL

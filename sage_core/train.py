@@ -49,6 +49,7 @@ def build_config(spec: RunSpec, output_dir: str | Path):
     """SageConfig for a spec: batch shapes so that one generation batch is prompts_per_step x G rows."""
     import torch
 
+    from .data import heldout_name
     from .trainer import SageConfig
 
     world = world_size()
@@ -108,6 +109,11 @@ def build_config(spec: RunSpec, output_dir: str | Path):
         sage_length_buckets=spec.length_buckets,
         sage_skip_zero_advantage=spec.skip_zero_advantage,
         sage_measure_activations=spec.measure_activations,
+        sage_eval_every=spec.eval_every * spec.updates_per_generation if spec.eval_every else None,
+        sage_eval_name=heldout_name(spec),
+        sage_eval_k=spec.eval_k,
+        sage_eval_temperature=spec.eval_temperature,
+        sage_eval_top_p=spec.eval_top_p,
     )
 
 
@@ -170,6 +176,7 @@ class TrainTime(TrainerCallback):
     def __init__(self, before: float = 0.0, wall_before: float = 0.0, started: float | None = None):
         self.before, self.t0 = before, time.perf_counter()
         self.wall_before, self.started = wall_before, self.t0 if started is None else started
+        self.not_training = lambda: 0.0  # seconds of this session's loop spent on something else (the eval)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.t0 = time.perf_counter()
@@ -179,7 +186,7 @@ class TrainTime(TrainerCallback):
         return {TRAIN_SECONDS_FILE: {"train_seconds": self.seconds(), "wall_seconds": self.wall_seconds()}}
 
     def seconds(self) -> float:
-        return self.before + time.perf_counter() - self.t0
+        return self.before + time.perf_counter() - self.t0 - self.not_training()
 
     def wall_seconds(self) -> float:
         """The run's wall seconds: its earlier sessions' (up to the checkpoint this one resumed from) and this one's
@@ -307,7 +314,26 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=(), check_tea
     callbacks = [*callbacks, SaveSteps(), *([RolloutBudget(spec.rollout_budget)] if spec.rollout_budget else [])]
     return SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
                            processing_class=tokenizer, callbacks=list(callbacks), scheduler=scheduler,
-                           hint_source=hint_source, peft_config=peft_config(spec))
+                           hint_source=hint_source, peft_config=peft_config(spec),
+                           eval_rows=periodic_eval_rows(spec, tokenizer))
+
+
+def periodic_eval_rows(spec: RunSpec, tokenizer) -> list[dict]:
+    """The held-out rows evaluated every spec.eval_every steps (none without it), those longer than
+    max_prompt_length left out as training's are."""
+    if not spec.eval_every:
+        return []
+    from .data import DataError, drop_long_prompts, eval_rows, heldout_name
+
+    rows = eval_rows(spec)
+    if spec.max_prompt_length:
+        rows, dropped = drop_long_prompts(rows, tokenizer, spec.max_prompt_length)
+        if dropped:
+            log.warning("%s: %d of its prompts are longer than max_prompt_length=%d tokens and are not evaluated",
+                        heldout_name(spec), len(dropped), spec.max_prompt_length)
+    if not len(rows):
+        raise DataError(f"eval_every={spec.eval_every}: {heldout_name(spec)} has no rows to evaluate")
+    return rows.to_list() if hasattr(rows, "to_list") else list(rows)
 
 
 def last_checkpoint(output_dir: str | Path) -> Path | None:
@@ -479,6 +505,7 @@ def _train(spec: RunSpec, output_dir: str | Path, callbacks, resume: bool) -> Tr
     done = state is not None and is_done(spec, step, state)
     # a run that is done trains nothing: its teacher endpoint (maybe shut down since) is not asked whether it is up
     trainer = build_trainer(spec, output_dir, [*callbacks, clock], check_teacher=not done)
+    clock.not_training = lambda: trainer.eval_seconds
     if stale := trainer.tracker.discard_after(step):
         log.warning("%s: %d tracker files of steps after %s were discarded (written after the last checkpoint, "
                     "or by an earlier run); those steps are trained again", output_dir, len(stale),
@@ -538,7 +565,7 @@ def _train(spec: RunSpec, output_dir: str | Path, callbacks, resume: bool) -> Tr
     history = list(trainer.state.log_history)
     summary = summarize(history, trainer.tracker)
     # a resumed run: its earlier sessions' training time too (all of it, where this session trained nothing)
-    summary["train_seconds"] = clock.before if done else summary["train_seconds"] + clock.before
+    summary["train_seconds"] = clock.before if done else summary["train_seconds"] - trainer.eval_seconds + clock.before
     summary["wall_seconds"] = wall
     if trainer.accelerator.is_main_process:  # the main process's times (each process measures its own)
         TrainTime.record_wall(output_dir / f"checkpoint-{trainer.state.global_step}", wall)
@@ -608,6 +635,8 @@ def summarize(history: list[dict], tracker) -> dict[str, float]:
         # where the time went: rolling out (first rollout and re-rolls) and writing hints; the rest is the update
         "gen_seconds": total("sage/gen_seconds"),
         "hint_seconds": total("sage/hint_seconds"),
+        # the no-hint eval every eval_every steps (not in train_seconds)
+        "eval_seconds": total("sage/eval_seconds"),
         # sequential generate calls: rollout passes (first rollout + re-roll rounds) and hint-writing passes
         "rollout_passes": total("sage/rollout_passes"),
         "hint_passes": total("sage/hint_passes"),

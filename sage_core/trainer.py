@@ -38,7 +38,7 @@ from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints
 from .memory import measured
 from .packing import length_buckets
 from .prompts import LEVELS, hinted_problem
-from .reward import completion_text
+from .reward import completion_text, score
 from .schedulers import Action, Scheduler, make_scheduler
 from .tracker import PromptTracker
 
@@ -77,6 +77,13 @@ class SageConfig(GRPOConfig):
         "help": "log sage/activation_mb, the bytes the loss's forward saves for backward per micro-batch (a saved-"
                 "tensor hook; off by default so it never meets torch.compile)"})
     tracker_dir: str | None = field(default=None, metadata={"help": "per-prompt Parquet files (output_dir/tracker)"})
+    sage_eval_every: int | None = field(default=None, metadata={
+        "help": "every this many optimizer steps (and at the last): no-hint avg@k / pass@k on the trainer's eval_rows, "
+                "logged as eval/during/<sage_eval_name>/avg_at_<k> and pass_at_<k> with the step"})
+    sage_eval_name: str = field(default="heldout", metadata={"help": "the eval set's name in its metrics"})
+    sage_eval_k: int = field(default=4, metadata={"help": "samples per eval prompt"})
+    sage_eval_temperature: float = field(default=0.6, metadata={"help": "eval sampling temperature (0 = greedy)"})
+    sage_eval_top_p: float = field(default=0.95, metadata={"help": "eval nucleus sampling p"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -116,7 +123,8 @@ class Try:
 
 
 class SageGRPOTrainer(GRPOTrainer):
-    def __init__(self, *args, scheduler: Scheduler | None = None, hint_source: HintSource | None = None, **kwargs):
+    def __init__(self, *args, scheduler: Scheduler | None = None, hint_source: HintSource | None = None,
+                 eval_rows: list[dict] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         a = self.args
         self.scheduler = scheduler or make_scheduler(a.sage_method, light_min=a.light_min, light_max=a.light_max,
@@ -139,6 +147,9 @@ class SageGRPOTrainer(GRPOTrainer):
         self._batch_ids: set[str] = set()  # the step's prompt ids on every process (methods that swap prompts)
         self._no_grad_rows: torch.Tensor | None = None  # rows of the current loss forward that carry no gradient
         self._ctx_limit: int | None | bool = False  # vLLM's context in tokens (None: unknown); False: not read yet
+        self._eval_rows = list(eval_rows or [])  # held-out rows for the no-hint eval every sage_eval_every steps
+        self._evaluated_at = -1
+        self.eval_seconds = 0.0  # this session's, not training time (sage_core.train leaves it out)
 
     # ------------------------------------------------------------------------------------------ TRL hooks
     def _get_train_sampler(self, dataset=None):
@@ -504,9 +515,9 @@ class SageGRPOTrainer(GRPOTrainer):
         return self._rows[0]["prompt"] if self._rows else [{"role": "user", "content": "1"}]
 
     @contextmanager
-    def _hint_sampling(self, max_new_tokens: int, temperature: float):
-        """Hints are short and (by default) greedy: set length and temperature while writing them, on both
-        back-ends, and restore the rollout settings afterwards."""
+    def _sampling(self, max_new_tokens: int, temperature: float, top_p: float | None = None):
+        """Hints are short and (by default) greedy, the eval samples at its own temperature and top-p: set them
+        while generating, on both back-ends, and restore the rollout settings afterwards."""
         if self.use_vllm:
             gen, new = self.vllm_generation, {"max_completion_length": max_new_tokens, "temperature": temperature}
         else:
@@ -514,6 +525,8 @@ class SageGRPOTrainer(GRPOTrainer):
             new = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
             if temperature > 0:
                 new["temperature"] = temperature
+        if top_p is not None:
+            new["top_p"] = top_p
         old = {k: getattr(gen, k) for k in new}
         for k, v in new.items():
             setattr(gen, k, v)
@@ -524,7 +537,7 @@ class SageGRPOTrainer(GRPOTrainer):
                 setattr(gen, k, v)
 
     def _policy_generate(self, chats: list, max_new_tokens: int, temperature: float) -> list[str]:
-        with self._hint_sampling(max_new_tokens, temperature):
+        with self._sampling(max_new_tokens, temperature):
             _, comp_ids, _, _ = self._roll(chats, kind="hint")
         return self.processing_class.batch_decode(comp_ids, skip_special_tokens=True) if comp_ids else []
 
@@ -680,6 +693,43 @@ class SageGRPOTrainer(GRPOTrainer):
         m["sage/base_pass_rate"].append(sum(base) / len(base) if base else float("nan"))
 
     # ------------------------------------------------------------------------------------------ resume
+    # ------------------------------------------------------------------------------------------ eval while training
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        """Every sage_eval_every steps and at the last one: the no-hint eval, whose metrics go out in this step's
+        log; then HF logs the step and saves its checkpoint."""
+        step, every = self.state.global_step, self.args.sage_eval_every
+        if every and self._eval_rows and step > self._evaluated_at and (
+                step % every == 0 or step >= self.state.max_steps or self.control.should_training_stop):
+            self._evaluated_at = step
+            self.evaluate_no_hint()
+        return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def evaluate_no_hint(self) -> dict[str, float]:
+        """avg@k and pass@k of the current policy on the eval rows with h empty, as at deployment: every process
+        rolls out its share (k samples a prompt, the eval's temperature and top-p, on the rollout back-end). The
+        RNG is forked and seeded by the step: the eval draws the same samples however often it runs, and training
+        draws what it would have drawn without it."""
+        a, t0, training = self.args, time.perf_counter(), self.model.training
+        rank, world, k = self.accelerator.process_index, self.accelerator.num_processes, a.sage_eval_k
+        mine = self._eval_rows[rank::world]
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), self._sampling(a.max_completion_length,
+                                                                    a.sage_eval_temperature, a.sage_eval_top_p):
+            torch.manual_seed(a.seed + self.state.global_step)
+            _, comp_ids, _, _ = self._roll([r["prompt"] for r in mine for _ in range(k)], kind="eval")
+        self.model.train(training)
+        texts = self.processing_class.batch_decode(comp_ids, skip_special_tokens=True)
+        scores = gather_object([[score(t, str(r["answer"])) for t in texts[i * k:(i + 1) * k]]
+                                for i, r in enumerate(mine)])
+        at = f"eval/during/{a.sage_eval_name}"  # as the before/after evals' eval/<when>/<set>/avg_at_<k>
+        result = {f"{at}/avg_at_{k}": sum(sum(s) / k for s in scores) / len(scores),
+                  f"{at}/pass_at_{k}": sum(any(x > 0 for x in s) for s in scores) / len(scores)}
+        spent = max(gather_object([time.perf_counter() - t0]))
+        self.eval_seconds += spent
+        for key, value in {**result, "sage/eval_seconds": spent}.items():
+            self._metrics["train"][key].append(value)
+        return result
+
     def _save_checkpoint(self, model, trial):
         """HF's checkpoint and the JSON files beside it: each process's place in its fresh-prompt pool (methods that
         swap a collapsed group for a new prompt), so that a resumed run draws the prompts the straight run draws,

@@ -33,6 +33,9 @@ def run(out: str, method: str, overrides: dict, ctx_limit: int | None, bucket_ov
                                  **overrides})
     trainer = build_trainer(spec, out)
     rank = trainer.accelerator.process_index
+    if rank == 0:  # as sage_core.train.train writes it: what a test reads the job's spec from
+        with open(os.path.join(out, "spec.json"), "w") as f:
+            f.write(spec.model_dump_json())
     if ctx_limit:
         trainer._ctx_limit = ctx_limit
     if bucket_overhead:  # e.g. [0, 10**9]: one rank splits every length, one never splits
@@ -47,7 +50,7 @@ def run(out: str, method: str, overrides: dict, ctx_limit: int | None, bucket_ov
     with open(os.path.join(out, f"state_rank{rank}.json"), "w") as f:
         json.dump({"scheduler": trainer.scheduler.state(), "seen": sorted(trainer.tracker.seen),
                    "solved": sorted(trainer.tracker.solved), "forwards": forwards[0],
-                   "history": [{k: v for k, v in h.items() if k.startswith("sage/")}
+                   "history": [{k: v for k, v in h.items() if k.startswith(("sage/", "eval/")) or k == "step"}
                                for h in trainer.state.log_history]}, f)
     release_vllm(trainer)
 

@@ -6,6 +6,7 @@ import pytest
 from helpers import global_metrics, run_jobs_on_two_ranks, two_rank_job
 
 AGREE = ["sage-light+ada-seq", "sage", "ada-est", "dapo-filter"]
+EVAL = {"eval_every": 1, "eval_num_prompts": 5, "eval_k": 2, "eval_temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -15,6 +16,8 @@ def runs(tiny_model_dir, tmp_path_factory):
     jobs = {m: two_rank_job(root / m, m, {"save_steps": 1}) for m in AGREE}  # checkpoints: a collective on every rank
     # one rank splits every length into a bucket, the other never does (see the test); a hang fails the launch
     jobs["buckets"] = two_rank_job(root / "buckets", "sage", bucket_overhead=(0, 10**9))
+    # 5 held-out prompts: one rank evaluates 3, the other 2 (and a padding row)
+    jobs["eval"] = two_rank_job(root / "eval", "sage-light", {"save_steps": 1, **EVAL})
     _, states = run_jobs_on_two_ranks(list(jobs.values()), timeout=420)
     return {name: (root / name, *st) for name, st in zip(jobs, states, strict=True)}
 
@@ -55,6 +58,26 @@ def test_ranks_whose_loss_forwards_differ_in_count_do_not_wait_on_each_other(run
     assert r0["forwards"] > r1["forwards"] > 0
     assert global_metrics(r0["history"]) == global_metrics(r1["history"])
     assert r0["scheduler"] == r1["scheduler"]
+
+
+def test_two_processes_evaluate_their_shares_of_the_held_out_set_as_one_process_would(runs):
+    """eval_every on 2 ranks: each rolls out its share of the held-out prompts (3 and 2, with a padding row), both
+    log the scores of the whole set, and they are those of one process evaluating the step's checkpoint."""
+    from sage_core.data import eval_rows
+    from sage_core.evaluate import evaluate
+    from sage_core.spec import recorded_spec
+
+    out, r0, r1 = runs["eval"]
+    key = "eval/during/synthetic-heldout/avg_at_2"
+    logged = [[(h["step"], h[key], h[key.replace("avg", "pass")]) for h in r["history"] if key in h] for r in (r0, r1)]
+    assert logged[0] == logged[1] and [s for s, _, _ in logged[0]] == [1, 2]
+    spec = recorded_spec(out)
+    rows = eval_rows(spec).to_list()
+    assert len(rows) == 5
+    for step, avg, passed in logged[0]:
+        offline = evaluate(str(out / f"checkpoint-{step}"), {"synthetic-heldout": rows}, k=2, temperature=0.0,
+                           max_new_tokens=spec.max_completion_length).iloc[0]
+        assert (avg, passed) == pytest.approx((offline.avg_at_k, offline.pass_at_k))
 
 
 def test_ddp_broadcasts_buffers_only_when_every_process_runs_the_same_forwards(tmp_path):

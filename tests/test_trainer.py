@@ -884,3 +884,40 @@ def test_wall_seconds_cover_every_session_of_a_run(tiny_model_dir, tmp_path):
     assert resumed.global_step == 2 and resumed.summary["wall_seconds"] >= again.wall_seconds
     assert json.loads((tmp_path / "checkpoint-2" / TRAIN_SECONDS_FILE).read_text())["wall_seconds"] == \
         pytest.approx(resumed.wall_seconds)
+
+
+def test_eval_every_scores_the_policy_of_the_step_without_hints_and_leaves_training_as_it_was(tiny_model_dir,
+                                                                                               tmp_path):
+    """eval_every=2 over 3 steps: no-hint avg@k and pass@k of the held-out set at steps 2 and 3 (the last), in that
+    step's log. They are what an offline evaluation of the step's checkpoint gives with the same (greedy) sampling,
+    the rollouts and updates are those of the run without the eval (its sampling has an RNG of its own), and its
+    seconds are left out of the training seconds."""
+    from sage_core.data import eval_rows
+    from sage_core.evaluate import evaluate
+
+    spec = small("sage-light", max_steps=3, save_steps=1, eval_every=2, eval_k=2, eval_num_prompts=6,
+                 eval_temperature=0.0)
+    with_eval = train(spec, tmp_path / "eval")
+    sampled = train(spec.model_copy(update={"eval_temperature": 1.0}), tmp_path / "sampled")
+    without = train(spec.model_copy(update={"eval_every": None}), tmp_path / "plain")
+    name = "synthetic-heldout"
+    avg_key, pass_key = f"eval/during/{name}/avg_at_2", f"eval/during/{name}/pass_at_2"
+    logged = {h["step"]: (h[avg_key], h[pass_key]) for h in with_eval.log_history if avg_key in h}
+    assert sorted(logged) == [2, 3]
+    rows = eval_rows(spec).to_list()
+    for step, (avg, passed) in logged.items():
+        offline = evaluate(str(tmp_path / "eval" / f"checkpoint-{step}"), {name: rows}, k=2, temperature=0.0,
+                           max_new_tokens=spec.max_completion_length).iloc[0]
+        assert (avg, passed) == pytest.approx((offline.avg_at_k, offline.pass_at_k))
+    assert any(v[0] > 0 for v in logged.values()), "nothing solved: the comparison shows little"
+    keys = ("loss", "reward", "sage/gen_tokens", "sage/level_1_frac")
+    trained = [[[h.get(k) for k in keys] for h in run.log_history if "loss" in h]
+               for run in (with_eval, sampled, without)]
+    assert trained[0] == trained[1] == trained[2]
+    assert [h[avg_key] for h in sampled.log_history if avg_key in h] != [v[0] for v in logged.values()], \
+        "the sampled eval drew nothing of its own: the RNG is not tested"
+    assert not any(k.startswith("eval/") for h in without.log_history for k in h)
+    spent = with_eval.summary["eval_seconds"]
+    assert spent == pytest.approx(sum(h.get("sage/eval_seconds", 0) for h in with_eval.log_history)) and spent > 0
+    assert with_eval.summary["train_seconds"] == pytest.approx(
+        next(h["train_runtime"] for h in with_eval.log_history if "train_runtime" in h) - spent)

@@ -41,7 +41,8 @@ class _Snapshot(TrainerCallback):
 def sage_vllm(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sage_vllm")
     spec = preset("tiny-cpu", method="sage", num_prompts=16, max_steps=2, use_vllm=True,
-                  vllm_gpu_memory_utilization=0.1, save_steps=100)
+                  vllm_gpu_memory_utilization=0.1, save_steps=100, eval_every=2, eval_k=2, eval_num_prompts=4,
+                  eval_temperature=0.5, eval_top_p=0.9)
     trainer = build_trainer(spec, out)
     initial = {k: p.detach().clone() for k, p in trainer.model.named_parameters() if k in SYNCED}
     snap = _Snapshot(trainer.model)
@@ -52,9 +53,11 @@ def sage_vllm(tiny_model_dir, tmp_path_factory):
     def spy_roll(prompts, kind="reroll"):  # vLLM's sampling settings at each generate call, and what came back
         gen = trainer.vllm_generation
         ids, comp_ids, comps, lps = roll(prompts, kind)
-        calls.append(dict(kind=kind, rows=len(prompts), temperature=gen.temperature,
+        engine = gen.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        calls.append(dict(kind=kind, rows=len(prompts), temperature=gen.temperature, top_p=gen.top_p,
                           max_tokens=gen.max_completion_length, lengths=[len(c) for c in comp_ids],
-                          logprobs=lps is not None))
+                          logprobs=lps is not None, step=trainer.state.global_step, prompts=prompts,
+                          engine={k: p.detach().clone() for k, p in engine.named_parameters() if k == SYNCED[0]}))
         return ids, comp_ids, comps, lps
 
     def spy_loss(model, inputs):
@@ -93,14 +96,27 @@ def test_engines_start_eager_without_cuda(sage_vllm, monkeypatch):
 
 
 def test_engine_generates_from_the_policy_weights_of_the_step(sage_vllm):
-    """TRL syncs the policy into vLLM before each step's first generation: after two steps the engine holds the
-    weights the first update produced (vLLM's CPU build would have dropped them without sage_core.vllm_cpu)."""
+    """TRL syncs the policy into vLLM before each step's first generation: the second step's hint and re-roll
+    calls generate from the weights the first update produced, and the eval after the second update (eval_every)
+    from the weights that update produced, which the engine still holds at the end (vLLM's CPU build would have
+    dropped them without sage_core.vllm_cpu)."""
     initial, after, engine = sage_vllm["initial"], sage_vllm["after"], sage_vllm["engine"]
     assert set(engine) == set(SYNCED) and sorted(after) == [1, 2]
     moved = [k for k in SYNCED if not torch.equal(after[1][k], initial[k])]
     assert moved, "the first update should change the policy"
+    k0, n = SYNCED[0], after[1][SYNCED[0]].shape[0]
+    second = [c for c in sage_vllm["calls"] if c["step"] == 1 and c["kind"] != "eval" and c["rows"]]
+    evals = [c for c in sage_vllm["calls"] if c["kind"] == "eval"]
+    assert second and [c["step"] for c in evals] == [2]
+
+    def held(call, step):  # the engine's copy of the weight at a call is the policy's after `step`'s update
+        got = call["engine"][k0][:n]
+        return torch.equal(got, after[step][k0].to(got.dtype))
+
+    assert all(held(c, 1) and not held(c, 2) for c in second)
+    assert held(evals[0], 2) and not held(evals[0], 1)
     for k in SYNCED:
-        want = after[1][k]
+        want = after[2][k]
         got = engine[k][tuple(slice(0, n) for n in want.shape)]  # vLLM pads the vocabulary to a multiple of 64
         torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=0)
         assert not torch.equal(got, initial[k]) or k not in moved
@@ -121,6 +137,22 @@ def test_hinted_rerolls_are_trained_in_the_context_vllm_sampled_them_from(sage_v
     ratios = metric(trainer, "sampling/importance_sampling_ratio/mean")
     assert len(diffs) == len(ratios) == 2
     assert max(diffs) < 0.02 and all(abs(r - 1) < 0.05 for r in ratios)
+
+
+def test_the_eval_samples_with_its_own_settings_on_the_engine_without_hints(sage_vllm):
+    """eval_every: the held-out prompts, k of each, no hint, at the eval's temperature and top-p and the rollout
+    length; the rollouts' settings are back afterwards, and the scores are in the step's log."""
+    trainer, spec = sage_vllm["trainer"], sage_vllm["spec"]
+    (ev,) = [c for c in sage_vllm["calls"] if c["kind"] == "eval"]
+    assert ev["rows"] == spec.eval_num_prompts * spec.eval_k and not any(HINT_HEADER in str(p) for p in ev["prompts"])
+    assert (ev["temperature"], ev["top_p"], ev["max_tokens"]) == (spec.eval_temperature, spec.eval_top_p,
+                                                                  spec.max_completion_length)
+    gen = trainer.vllm_generation
+    assert (gen.temperature, gen.top_p, gen.max_completion_length) == (spec.temperature, trainer.args.top_p,
+                                                                       spec.max_completion_length)
+    avg = metric(trainer, "eval/during/synthetic-heldout/avg_at_2")
+    passed = metric(trainer, "eval/during/synthetic-heldout/pass_at_2")
+    assert len(avg) == len(passed) == 1 and 0 <= avg[0] <= passed[0] <= 1
 
 
 def test_hint_writing_switches_vllm_sampling_and_restores_it(sage_vllm):
