@@ -162,6 +162,9 @@ def _experiment(client, root: Path, name: str) -> str:
     return client.create_experiment(name, artifact_location=(root / "mlartifacts" / name).as_uri())
 
 
+EVAL_DURING = "eval/during/synthetic-heldout/avg_at_4"  # what SageGRPOTrainer logs with eval_every (and eval_k 4)
+
+
 def log_run(client, exp_id: str, *, name: str, method: str, hint_source: str = "online", steps: int = 6,
             n_prompts: int = 12, per_step: int | None = None, G: int = 4, seed: int = 0, kind: str = "train",
             parent: str | None = None, tracker: bool = True, eval_after: float | None = None) -> dict:
@@ -193,6 +196,8 @@ def log_run(client, exp_id: str, *, name: str, method: str, hint_source: str = "
             frames.append(df)
             for k, v in step_metrics(df, G).items():
                 metrics.append(Metric(k, v, ts + step * 1000, step))
+            if eval_after is not None and step % 2 == 0:  # the eval while training (eval_every=2), rising to after
+                metrics.append(Metric(EVAL_DURING, 0.30 + (eval_after - 0.30) * step / steps, ts + step * 1000, step))
             if tracker:
                 df.to_parquet(tdir / f"step_{step:06d}.parquet", index=False)
         for i in range(0, len(metrics), 900):
@@ -362,7 +367,8 @@ def write_big_tracker(root: Path, n_prompts: int = 2000, steps: int = 200, G: in
             "n_prompts": n_prompts, "steps": steps}
 
 
-REAL_SPEC = {"max_steps": 2, "num_prompts": 8, "num_generations": 4, "method": "sage"}
+REAL_SPEC = {"max_steps": 2, "num_prompts": 8, "num_generations": 4, "method": "sage", "eval_every": 1,
+             "eval_num_prompts": 8}
 
 
 def train_real_run(root: Path, experiment: str = "sage") -> dict:

@@ -20,9 +20,10 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 try:
-    from tests.dashboard_fixtures import build_seed_study, dashboard_store, real_store, write_big_tracker
+    from tests.dashboard_fixtures import EVAL_DURING, build_seed_study, dashboard_store, real_store, write_big_tracker
 except ImportError:
-    from dashboard_fixtures import build_seed_study, dashboard_store, real_store, write_big_tracker  # noqa: F401
+    from dashboard_fixtures import (EVAL_DURING, build_seed_study, dashboard_store, real_store,  # noqa: F401
+                                    write_big_tracker)
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboards" / "app.py")
 PAGES = {"gate": "app_pages/gate.py", "levels": "app_pages/levels.py", "explorer": "app_pages/explorer.py",
@@ -262,6 +263,18 @@ def test_real_run_runs_page(monkeypatch, real_store):
     assert real_store["run_id"] in code and f"%22{real_store['experiment_id']}%22" in code
 
 
+def test_real_run_logs_its_eval_while_training_under_the_name_the_variants_page_plots(real_store):
+    """eval_every=1 in the real run: each step's no-hint avg@4 and pass@4 of the held-out set are metrics of its
+    MLflow run, named as the contract store's (EVAL_DURING) that the Variants page's learning curves show."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(real_store["uri"])
+    avg = c.get_metric_history(real_store["run_id"], EVAL_DURING)
+    passed = c.get_metric_history(real_store["run_id"], EVAL_DURING.replace("avg_at", "pass_at"))
+    assert [m.step for m in avg] == [m.step for m in passed] == [1, 2]
+    assert all(0 <= a.value <= p.value <= 1 for a, p in zip(avg, passed, strict=True))
+
+
 def test_real_run_gate_page_shows_the_logged_means(monkeypatch, real_store):
     from mlflow.tracking import MlflowClient
 
@@ -476,6 +489,8 @@ def test_variants_page_compares_the_study(monkeypatch, dashboard_store):
     ev = _frame(at, "after")
     assert sorted(ev["variant"]) == sorted(["GRPO", "SAGE-LIGHT", "SAGE (online)", "SAGE (fixed)", "SAGE (teacher)"])
     assert dict(zip(ev["variant"], ev["after"]))["SAGE (online)"] == pytest.approx(0.47)
+    # the eval while training is a learning curve shown by default
+    assert EVAL_DURING in at.multiselect(key="variants_metrics").value
     charts = _charts(at)
     assert len(charts) == 3  # comparison bars, learning curves, eval bars
     spec = charts[1].proto.spec

@@ -88,7 +88,9 @@ if parent is not None:
 # --- learning curves ---------------------------------------------------------------------------------------------
 st.subheader("Learning curves")
 all_keys = sorted({k for m in children["metrics"] for k in m if not k.startswith("system/")})
-eval_keys = [k for k in all_keys if k.startswith("eval_")]  # TRL's periodic eval (eval/<when>/... is 2 points)
+# the no-hint eval while training (eval_every: eval/during/<set>/avg_at_<k>, pass_at_<k>) or TRL's own (eval_*);
+# eval/before/... and eval/after/... are one point each, in the table below
+eval_keys = [k for k in all_keys if k.startswith(("eval/during/", "eval_"))]
 choices = [NO_HINT] + all_keys
 default = [NO_HINT] + [k for k in ("reward",) if k in all_keys] + eval_keys[:2]
 metrics = st.multiselect("Metrics", choices, default=default, key="variants_metrics")
