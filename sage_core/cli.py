@@ -323,17 +323,6 @@ def parse_benchmarks(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-def benchmark_rows(spec, path: str):
-    """Rows of one benchmark: 'synthetic' -> the held-out synthetic eval rows of the spec, else a .parquet/.jsonl
-    file, or a data set's test split (sage_core.data.load_benchmark), cut to spec.eval_num_prompts rows. The spec's
-    model decides the system turn (none for 'tiny', the paper's prompt otherwise), as in training."""
-    from .data import eval_rows, load_benchmark, system_prompt_for
-
-    if path == "synthetic":
-        return eval_rows(spec)
-    return load_benchmark(path, limit=spec.eval_num_prompts, system_prompt=system_prompt_for(spec))
-
-
 def check_eval_output(path: str | None) -> None:
     """Refuse an --output the table could not be written to, before the evaluation runs: not .parquet or .json, a
     folder, or a folder that cannot be made for it."""
@@ -387,6 +376,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"sage eval: {args.model} was trained from {trained_from} (its run's spec.json): prompts are built "
               f"for it, not for the spec's model {spec.model}", file=sys.stderr)
         spec = spec.model_copy(update={"model": trained_from})
+    from .data import benchmark_rows
+
     rows = {name: benchmark_rows(spec, path) for name, path in benchmarks.items()}
     table = evaluate(args.model, rows, use_vllm=spec.use_vllm, k=spec.eval_k, temperature=spec.eval_temperature,
                      top_p=spec.eval_top_p, max_new_tokens=spec.max_completion_length, seed=spec.seed,

@@ -576,6 +576,28 @@ def heldout_name(spec: Any) -> str:
     return f"{'synthetic' if spec.data == 'synthetic' else slug(Path(spec.data).stem or spec.data)}-heldout"
 
 
+def benchmark_rows(spec: Any, source: str):
+    """Rows of one benchmark: 'synthetic' -> held-out synthetic rows (eval_rows of the spec trained on the synthetic
+    task), else a .parquet/.jsonl file, or a data set's test split (load_benchmark), cut to spec.eval_num_prompts
+    rows. The spec's model decides the system turn (none for 'tiny', the paper's prompt otherwise), as in training."""
+    if source == "synthetic":
+        return eval_rows(spec if spec.data == "synthetic" else spec.model_copy(update={"data": "synthetic"}))
+    return load_benchmark(source, limit=spec.eval_num_prompts, system_prompt=system_prompt_for(spec))
+
+
+def eval_set_name(spec: Any) -> str:
+    """The name of the set evaluated while training (eval_every), in its metrics' names."""
+    source = spec.eval_data
+    if source is None:
+        return heldout_name(spec)
+    return "synthetic-heldout" if source == "synthetic" else slug(Path(source.split(":")[0]).stem or source)
+
+
+def eval_set_rows(spec: Any):
+    """The rows evaluated while training (eval_every): spec.eval_data's, else the held-out rows of spec.data."""
+    return eval_rows(spec) if spec.eval_data is None else benchmark_rows(spec, spec.eval_data)
+
+
 def eval_rows(spec: Any):
     """Held-out no-hint evaluation rows of a RunSpec (spec.eval_num_prompts of them).
 

@@ -107,6 +107,9 @@ class RunSpec(BaseModel):
                                                           "as MLflow metrics eval/during/<set>/avg_at_<k>, pass_at_<k>; "
                                                           "it does not change training (its sampling has its own "
                                                           "RNG)")
+    eval_data: str | None = Field(None, min_length=1, description="the set eval_every scores: 'synthetic' (held-out "
+                                  "synthetic rows), a .parquet/.jsonl file or a data set (its test split), its first "
+                                  "eval_num_prompts rows; None: the held-out rows of `data`")
 
     @model_validator(mode="after")
     def _check(self) -> "RunSpec":
@@ -165,12 +168,13 @@ def layout_error(spec: RunSpec, world: int) -> str | None:
 # RunSpec fields a run may change when it continues in its output dir: when it stops and saves, how it is evaluated,
 # where and in how much memory vLLM runs. A change to any other field makes it another run.
 RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "rollout_budget", "eval_k", "eval_num_prompts",
-                              "eval_temperature", "eval_top_p", "eval_every", "vllm_server_base_url",
+                              "eval_temperature", "eval_top_p", "eval_every", "eval_data", "vllm_server_base_url",
                               "vllm_gpu_memory_utilization"})
-NOT_IN_KEY = frozenset({"eval_every"})  # evaluation while training: the same run, trained the same, with or without
+# evaluation while training: the same run, trained the same, with or without it, on whichever set
+NOT_IN_KEY = frozenset({"eval_every", "eval_data"})
 
 
-PATH_FIELDS = ("model", "data", "teacher")  # a local path, a built-in name, a hub id or (teacher) a URL
+PATH_FIELDS = ("model", "data", "teacher", "eval_data")  # a local path, a built-in name, a hub id or (teacher) a URL
 BUILT_IN_NAMES = frozenset({"tiny", "smollm2", "synthetic"})
 
 

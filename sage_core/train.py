@@ -49,7 +49,7 @@ def build_config(spec: RunSpec, output_dir: str | Path):
     """SageConfig for a spec: batch shapes so that one generation batch is prompts_per_step x G rows."""
     import torch
 
-    from .data import heldout_name
+    from .data import eval_set_name
     from .trainer import SageConfig
 
     world = world_size()
@@ -110,7 +110,7 @@ def build_config(spec: RunSpec, output_dir: str | Path):
         sage_skip_zero_advantage=spec.skip_zero_advantage,
         sage_measure_activations=spec.measure_activations,
         sage_eval_every=spec.eval_every * spec.updates_per_generation if spec.eval_every else None,
-        sage_eval_name=heldout_name(spec),
+        sage_eval_name=eval_set_name(spec),
         sage_eval_k=spec.eval_k,
         sage_eval_temperature=spec.eval_temperature,
         sage_eval_top_p=spec.eval_top_p,
@@ -319,20 +319,20 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=(), check_tea
 
 
 def periodic_eval_rows(spec: RunSpec, tokenizer) -> list[dict]:
-    """The held-out rows evaluated every spec.eval_every steps (none without it), those longer than
+    """The rows evaluated every spec.eval_every steps (none without it: data.eval_set), those longer than
     max_prompt_length left out as training's are."""
     if not spec.eval_every:
         return []
-    from .data import DataError, drop_long_prompts, eval_rows, heldout_name
+    from .data import DataError, drop_long_prompts, eval_set_name, eval_set_rows
 
-    rows = eval_rows(spec)
+    name, rows = eval_set_name(spec), eval_set_rows(spec)
     if spec.max_prompt_length:
         rows, dropped = drop_long_prompts(rows, tokenizer, spec.max_prompt_length)
         if dropped:
             log.warning("%s: %d of its prompts are longer than max_prompt_length=%d tokens and are not evaluated",
-                        heldout_name(spec), len(dropped), spec.max_prompt_length)
+                        name, len(dropped), spec.max_prompt_length)
     if not len(rows):
-        raise DataError(f"eval_every={spec.eval_every}: {heldout_name(spec)} has no rows to evaluate")
+        raise DataError(f"eval_every={spec.eval_every}: {name} has no rows to evaluate")
     return rows.to_list() if hasattr(rows, "to_list") else list(rows)
 
 

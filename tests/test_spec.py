@@ -155,8 +155,9 @@ def test_relative_paths_are_made_absolute_where_the_spec_is_built(tmp_path, monk
 
 
 def test_eval_every_is_the_same_run_with_the_same_key_and_can_change_on_resume(tmp_path):
-    """eval_every (evaluation while training, added after runs existed) does not change what is trained: a spec
-    keeps the key it had before the field existed, with it set or not, and a run continues under another value."""
+    """eval_every and eval_data (evaluation while training, added after runs existed) do not change what is
+    trained: a spec keeps the key it had before the fields existed, with them set or not, and a run continues
+    under other values."""
     import hashlib
     import json
 
@@ -164,11 +165,11 @@ def test_eval_every_is_the_same_run_with_the_same_key_and_can_change_on_resume(t
 
     spec = RunSpec(method="sage-light", max_steps=3)
     fields = spec.model_dump()
-    fields.pop("eval_every")  # the spec as this RunSpec had it before eval_every
+    fields.pop("eval_every"), fields.pop("eval_data")  # the spec as this RunSpec had it before them
     before = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
-    assert spec.key() == before == spec.model_copy(update={"eval_every": 5}).key()
+    assert spec.key() == before == spec.model_copy(update={"eval_every": 5, "eval_data": "synthetic"}).key()
     assert spec.key() != spec.model_copy(update={"max_steps": 4}).key()
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
     (tmp_path / "tracker").mkdir()
     (tmp_path / "tracker" / "step_000001.parquet").write_bytes(b"")
-    check_run_folder(spec.model_copy(update={"eval_every": 2}), tmp_path)  # no RunFolderTaken
+    check_run_folder(spec.model_copy(update={"eval_every": 2, "eval_data": "x.jsonl"}), tmp_path)  # no RunFolderTaken

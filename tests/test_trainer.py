@@ -921,3 +921,28 @@ def test_eval_every_scores_the_policy_of_the_step_without_hints_and_leaves_train
     assert spent == pytest.approx(sum(h.get("sage/eval_seconds", 0) for h in with_eval.log_history)) and spent > 0
     assert with_eval.summary["train_seconds"] == pytest.approx(
         next(h["train_runtime"] for h in with_eval.log_history if "train_runtime" in h) - spent)
+
+
+def test_eval_data_is_the_set_evaluated_while_training(tiny_model_dir, tmp_path):
+    """eval_data names the set eval_every scores (a benchmark file here): its rows, its name in the metrics, the
+    scores an offline evaluation of the checkpoint gives; a data set's name or 'synthetic' is named as expected."""
+    from sage_core.data import benchmark_rows, eval_set_name, synthetic_rows
+    from sage_core.evaluate import evaluate
+
+    bench = tmp_path / "My Bench.jsonl"
+    bench.write_text("".join(json.dumps({"problem": r["problem"], "answer": r["answer"]}) + "\n"
+                             for r in synthetic_rows(5, seed=7, difficulty="easy")))
+    spec = small("grpo", max_steps=1, save_steps=1, eval_every=1, eval_k=2, eval_temperature=0.0,
+                 eval_data=str(bench))
+    run = train(spec, tmp_path / "run")
+    (logged,) = [(h["eval/during/my-bench/avg_at_2"], h["eval/during/my-bench/pass_at_2"])
+                 for h in run.log_history if "eval/during/my-bench/avg_at_2" in h]
+    rows = benchmark_rows(spec, str(bench)).to_list()
+    assert [r["answer"] for r in rows] == [json.loads(line)["answer"] for line in bench.read_text().splitlines()]
+    offline = evaluate(str(tmp_path / "run" / "checkpoint-1"), {"b": rows}, k=2, temperature=0.0,
+                       max_new_tokens=spec.max_completion_length).iloc[0]
+    assert logged == pytest.approx((offline.avg_at_k, offline.pass_at_k)) and logged[1] > 0
+    named = {src: eval_set_name(spec.model_copy(update={"eval_data": src}))
+             for src in (None, "synthetic", "HuggingFaceH4/MATH-500", "openai/gsm8k:main")}
+    assert named == {None: "synthetic-heldout", "synthetic": "synthetic-heldout", "HuggingFaceH4/MATH-500": "math-500",
+                     "openai/gsm8k:main": "gsm8k"}
