@@ -241,11 +241,11 @@ def _respec_run(run: Run, spec: RunSpec, kind: str) -> list[str]:
     from mlflow.utils.validation import MAX_PARAMS_TAGS_PER_BATCH
 
     tags, params = run.data.tags, run.data.params
-    if tags.get("sage.spec_key") == spec.key():
-        return []
-    rid = run.info.run_id
     current, new = spec_values(run), spec_params(spec)
     changed = [f"{k[len('sage.'):]} {current.get(k, '?')} -> {v}" for k, v in new.items() if current.get(k) != v]
+    if tags.get("sage.spec_key") == spec.key() and not changed:  # fields left out of the key may still differ
+        return []
+    rid = run.info.run_id
     set_tags = {k: v for k, v in run_tags(spec, kind).items() if k in SPEC_TAGS}
     add_params: list[Param] = []
     drop: list[str] = []

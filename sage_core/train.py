@@ -132,15 +132,21 @@ class RolloutBudget(TrainerCallback):
         """A resumed run has already spent what its checkpoint's log history holds."""
         self.spent = self.spent_in(state.log_history)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.spent += (logs or {}).get("sage/rollouts", 0.0) or 0.0
+    def stops_at(self, args, state, rollouts: float) -> bool:
+        """Whether the step now ending, logging `rollouts`, ends training (the trainer asks before its log, to
+        evaluate a last step: eval_every)."""
         # a rollout batch is trained by updates_per_generation optimizer steps, and its rollouts are logged with
         # the first: stop after its last, so the batch is trained whole and the checkpoint is where a resumed run
         # generates its next batch (one saved mid-batch made the resumed run roll that batch's prompts again)
         per_batch = max(1, args.steps_per_generation // args.gradient_accumulation_steps)
-        if self.spent >= self.budget and state.global_step % per_batch == 0:
+        return self.spent + rollouts >= self.budget and state.global_step % per_batch == 0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        rollouts = (logs or {}).get("sage/rollouts", 0.0) or 0.0
+        if self.stops_at(args, state, rollouts):
             control.should_training_stop = True
             control.should_save = True
+        self.spent += rollouts
 
 
 class SaveSteps(TrainerCallback):
@@ -635,8 +641,8 @@ def summarize(history: list[dict], tracker) -> dict[str, float]:
         # where the time went: rolling out (first rollout and re-rolls) and writing hints; the rest is the update
         "gen_seconds": total("sage/gen_seconds"),
         "hint_seconds": total("sage/hint_seconds"),
-        # the no-hint eval every eval_every steps (not in train_seconds)
-        "eval_seconds": total("sage/eval_seconds"),
+        # the no-hint eval every eval_every steps (not in train_seconds); logged with any step, not only a batch's first
+        "eval_seconds": sum(h.get("sage/eval_seconds", 0) or 0 for h in history),
         # sequential generate calls: rollout passes (first rollout + re-roll rounds) and hint-writing passes
         "rollout_passes": total("sage/rollout_passes"),
         "hint_passes": total("sage/hint_passes"),

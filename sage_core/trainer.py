@@ -698,11 +698,20 @@ class SageGRPOTrainer(GRPOTrainer):
         """Every sage_eval_every steps and at the last one: the no-hint eval, whose metrics go out in this step's
         log; then HF logs the step and saves its checkpoint."""
         step, every = self.state.global_step, self.args.sage_eval_every
-        if every and self._eval_rows and step > self._evaluated_at and (
-                step % every == 0 or step >= self.state.max_steps or self.control.should_training_stop):
+        if every and self._eval_rows and step > self._evaluated_at and (step % every == 0 or self._last_step()):
             self._evaluated_at = step
             self.evaluate_no_hint()
         return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def _last_step(self) -> bool:
+        """Whether training ends with the step now ending: max_steps, a callback's stop, or a callback that will stop
+        it when this step's metrics are logged (a rollout budget: sage_core.train.RolloutBudget.stops_at)."""
+        if self.state.global_step >= self.state.max_steps or self.control.should_training_stop:
+            return True
+        logged = self._metrics["train"].get("sage/rollouts") or []
+        rollouts = sum(logged) / len(logged) if logged else 0.0  # as TRL's log() will report it
+        return any(cb.stops_at(self.args, self.state, rollouts) for cb in self.callback_handler.callbacks
+                   if hasattr(cb, "stops_at"))
 
     def evaluate_no_hint(self) -> dict[str, float]:
         """avg@k and pass@k of the current policy on the eval rows with h empty, as at deployment: every process

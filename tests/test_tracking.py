@@ -117,11 +117,19 @@ def test_run_resumed_with_a_changed_spec_describes_the_new_spec(store, tmp_path)
     shown = D.spec_params(run.data.params, run.data.tags)
     assert shown["sage.max_steps"] == "3" and shown["sage.eval_k"] == "2"
     assert {k: v for k, v in shown.items() if k.startswith("sage.")} == tracking.spec_values(run)
+    # a field left out of the spec key (eval_every) changed on resume is recorded all the same
+    evals = three.model_copy(update={"eval_every": 2})
+    assert evals.key() == three.key()
+    tracking.resume_or_create_run(evals, "train", out, experiment=exp)
+    run = c.get_run(rid)
+    assert run.data.tags["sage.resumed.eval_every"] == "2" and tracking.spec_values(run) == tracking.spec_params(evals)
+    got = json.loads(Path(c.download_artifacts(rid, "spec.json", str(tmp_path / "dl3"))).read_text())
+    assert got["eval_every"] == 2
     # back to the created spec's values: the tags that explained the params go
     tracking.resume_or_create_run(one, "train", out, experiment=exp)
     run = c.get_run(rid)
     assert not [k for k in run.data.tags if k.startswith("sage.resumed.")]
-    assert run.data.tags["sage.spec_key"] == one.key() and run.data.tags["sage.resumed"] == "4"
+    assert run.data.tags["sage.spec_key"] == one.key() and run.data.tags["sage.resumed"] == "5"
     got = json.loads(Path(c.download_artifacts(rid, "spec.json", str(tmp_path / "dl2"))).read_text())
     assert got == one.model_dump()
 

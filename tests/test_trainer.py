@@ -946,3 +946,23 @@ def test_eval_data_is_the_set_evaluated_while_training(tiny_model_dir, tmp_path)
              for src in (None, "synthetic", "HuggingFaceH4/MATH-500", "openai/gsm8k:main")}
     assert named == {None: "synthetic-heldout", "synthetic": "synthetic-heldout", "HuggingFaceH4/MATH-500": "math-500",
                      "openai/gsm8k:main": "gsm8k"}
+
+
+def test_the_eval_of_a_last_step_is_that_steps_and_every_evals_seconds_are_counted(tiny_model_dir, tmp_path):
+    """A rollout budget that stops training at step 3 (decided when that step's metrics are logged) gets its last
+    eval in step 3's log, inside checkpoint-3; with two updates per rollout batch the evals come after a batch's
+    second update, whose log has no rollout metrics: the summary counts every eval's seconds, and those are what
+    train_seconds leaves out of the loop's runtime."""
+    budget = train(small("grpo", max_steps=6, rollout_budget=70, eval_every=2, eval_num_prompts=4), tmp_path / "b")
+    two = train(small("grpo", max_steps=2, updates_per_generation=2, micro_batch_size=16, eval_every=1,
+                      eval_num_prompts=4), tmp_path / "u")
+    key = "eval/during/synthetic-heldout/avg_at_4"
+    assert budget.global_step == 3 and [h["step"] for h in budget.log_history if key in h] == [2, 3]
+    saved = json.loads((tmp_path / "b" / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
+    assert [h["step"] for h in saved if key in h] == [2, 3]
+    assert [h["step"] for h in two.log_history if key in h] == [2, 4]
+    for run in (budget, two):
+        spent = [h["sage/eval_seconds"] for h in run.log_history if "sage/eval_seconds" in h]
+        assert len(spent) == 2 and run.summary["eval_seconds"] == pytest.approx(sum(spent))
+        runtime = next(h["train_runtime"] for h in run.log_history if "train_runtime" in h)
+        assert run.summary["train_seconds"] == pytest.approx(runtime - sum(spent))
