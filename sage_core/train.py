@@ -325,7 +325,7 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=(), check_tea
 
 
 def periodic_eval_rows(spec: RunSpec, tokenizer) -> list[dict]:
-    """The rows evaluated every spec.eval_every steps (none without it: data.eval_set), those longer than
+    """The rows evaluated every spec.eval_every steps (none without it: data.eval_set_rows), those longer than
     max_prompt_length left out as training's are."""
     if not spec.eval_every:
         return []
