@@ -715,20 +715,27 @@ class SageGRPOTrainer(GRPOTrainer):
 
     def evaluate_no_hint(self) -> dict[str, float]:
         """avg@k and pass@k of the current policy on the eval rows with h empty, as at deployment: every process
-        rolls out its share (k samples a prompt, the eval's temperature and top-p, on the rollout back-end). The
-        RNG is forked and seeded by the step: the eval draws the same samples however often it runs, and training
-        draws what it would have drawn without it."""
+        rolls out its share (k samples a prompt, the eval's temperature and top-p, on the rollout back-end; greedy:
+        one, which is all k), on HF generate in calls as wide as a step's rollouts, on vLLM in one. The RNG is
+        forked and seeded by the step: the eval draws the same samples however often it runs, and training draws
+        what it would have drawn without it."""
         a, t0, training = self.args, time.perf_counter(), self.model.training
         rank, world, k = self.accelerator.process_index, self.accelerator.num_processes, a.sage_eval_k
         mine = self._eval_rows[rank::world]
+        draws = 1 if a.sage_eval_temperature == 0 else k
+        prompts = [r["prompt"] for r in mine for _ in range(draws)]
+        width = max(1, len(prompts) if self.use_vllm else a.per_device_train_batch_size * a.steps_per_generation)
+        calls = max(gather_object([-(-len(prompts) // width)]))  # the same number of generate calls on every rank
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        comp_ids = []
         with torch.random.fork_rng(devices=devices), self._sampling(a.max_completion_length,
                                                                     a.sage_eval_temperature, a.sage_eval_top_p):
             torch.manual_seed(a.seed + self.state.global_step)
-            _, comp_ids, _, _ = self._roll([r["prompt"] for r in mine for _ in range(k)], kind="eval")
+            for c in range(calls):
+                comp_ids += self._roll(prompts[c * width:(c + 1) * width], kind="eval")[1]
         self.model.train(training)
         texts = self.processing_class.batch_decode(comp_ids, skip_special_tokens=True)
-        scores = gather_object([[score(t, str(r["answer"])) for t in texts[i * k:(i + 1) * k]]
+        scores = gather_object([[score(t, str(r["answer"])) for t in texts[i * draws:(i + 1) * draws]] * (k // draws)
                                 for i, r in enumerate(mine)])
         at = f"eval/during/{a.sage_eval_name}"  # as the before/after evals' eval/<when>/<set>/avg_at_<k>
         result = {f"{at}/avg_at_{k}": sum(sum(s) / k for s in scores) / len(scores),

@@ -966,3 +966,28 @@ def test_the_eval_of_a_last_step_is_that_steps_and_every_evals_seconds_are_count
         assert len(spent) == 2 and run.summary["eval_seconds"] == pytest.approx(sum(spent))
         runtime = next(h["train_runtime"] for h in run.log_history if "train_runtime" in h)
         assert run.summary["train_seconds"] == pytest.approx(runtime - sum(spent))
+
+
+@pytest.mark.parametrize("temperature, widths", [(1.0, [8, 2]), (0.0, [5])])
+def test_the_eval_generates_in_calls_as_wide_as_a_steps_rollouts_and_once_a_prompt_when_greedy(
+        tiny_model_dir, tmp_path, temperature, widths):
+    """5 held-out prompts x k=2 on HF generate, whose step rolls out 2 prompts x G=4 = 8 rows: two calls of 8 and
+    2 rows (the eval set of a GPU preset, 500 x 16, would otherwise be one batch); greedy, one completion a prompt
+    is all k of them."""
+    spec = small("grpo", prompts_per_step=2, num_generations=4, max_steps=1, eval_every=1, eval_num_prompts=5,
+                 eval_k=2, eval_temperature=temperature)
+    trainer = build_trainer(spec, tmp_path)
+    calls, roll = [], trainer._roll
+
+    def spy(prompts, kind="reroll"):
+        out = roll(prompts, kind)
+        if kind == "eval":
+            calls.append(len(out[1]))
+        return out
+
+    trainer._roll = spy
+    trainer.train()
+    assert calls == widths
+    (avg,) = [h["eval/during/synthetic-heldout/avg_at_2"] for h in trainer.state.log_history
+              if "eval/during/synthetic-heldout/avg_at_2" in h]
+    assert avg * 10 == pytest.approx(round(avg * 10))  # 5 prompts x 2 samples: a multiple of 1/10
