@@ -69,7 +69,7 @@ def test_deployment_run_from_cli_logs_to_mlflow(served):
     env, uri, serve_log = served
     t0 = time.monotonic()
     r = _cli(env, "deployment", "run", "sage-train/tiny-cpu", *TINY, "--param", "experiment=e2e",
-             "--param", "method=sage-light", "--watch", "--watch-timeout", "900",
+             "--param", "method=sage-light", "--param", "eval_every=1", "--watch", "--watch-timeout", "900",
              timeout=960)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out + "\n--- serve log ---\n" + serve_log.read_text()[-4000:]
@@ -86,8 +86,12 @@ def test_deployment_run_from_cli_logs_to_mlflow(served):
     assert run.data.params["sage.max_steps"] == "2" and run.data.params["sage.num_generations"] == "4"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward")] == [1, 2]
     for key in ("sage/frac_collapsed", "summary/wall_seconds", "eval/before/synthetic-heldout/avg_at_2",
-                "eval/after/synthetic-heldout/pass_at_2"):
+                "eval/after/synthetic-heldout/pass_at_2", "summary/eval_seconds"):
         assert key in run.data.metrics, sorted(run.data.metrics)
+    # eval_every=1, a flow parameter like any RunSpec field: the no-hint curve of the held-out set, step by step
+    during = client.get_metric_history(run.info.run_id, "eval/during/synthetic-heldout/avg_at_2")
+    assert [m.step for m in during] == [1, 2] and all(0 <= m.value <= 1 for m in during)
+    assert run.data.params["sage.eval_every"] == "1"
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"spec.json", "tracker", "eval", "checkpoint"} <= arts
     print(f"deployment run wall-clock {wall:.0f}s")
