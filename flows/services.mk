@@ -1,7 +1,8 @@
 # Local services (included by the root Makefile, which defines VENV, BIN, SAGE_HOME and `install`).
 #   make up         Prefect server (127.0.0.1:$(PREFECT_PORT)) + MLflow UI (127.0.0.1:$(MLFLOW_PORT)) + deployments served
 #   make down       stop them
-#   make demo       install, up, run hint-study/tiny-cpu (--watch), print the report card and the URLs
+#   make demo       install, up, run hint-study/tiny-cpu (--watch; no-hint eval every 4 steps), print the report card
+#                   and the URLs
 #   make serve      serve the deployments in the foreground (against a running server)
 #   make dashboard  Streamlit dashboard on 127.0.0.1:$(DASHBOARD_PORT)
 #   make mlflow-ui  the MLflow UI in the foreground
@@ -9,7 +10,7 @@ PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 DASHBOARD_PORT ?= 8501
 DEMO_DEPLOYMENT ?= hint-study/tiny-cpu
-DEMO_ARGS ?=
+DEMO_ARGS ?= --param eval_every=4
 export PREFECT_PORT MLFLOW_PORT DASHBOARD_PORT
 SERVICES = BIN="$(abspath $(BIN))" bash $(CURDIR)/flows/services.sh
 

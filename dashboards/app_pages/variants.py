@@ -130,7 +130,9 @@ else:
     st.altair_chart(chart.facet(facet=alt.Facet("key:N", title=None), columns=2).resolve_scale(y="independent"),
                     key="variants_curves")
     st.caption(f"{NO_HINT}: `sage/base_pass_rate` (the no-hint group of each prompt), or `reward` for plain GRPO. "
-               "SAGE-LIGHT hints before it rolls out, so it has no no-hint groups: compare it on the eval below.")
+               "SAGE-LIGHT hints before it rolls out, so it has no no-hint groups: compare it on `eval/during/*` "
+               "(the held-out set without hints every `eval_every` steps, when the runs set it) or the eval below. "
+               "A sampled eval's last point and the after-training eval differ by their draws.")
 
 # --- no-hint evaluation ------------------------------------------------------------------------------------------
 evals = []
