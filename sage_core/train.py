@@ -625,6 +625,10 @@ def summarize(history: list[dict], tracker) -> dict[str, float]:
     def total(key):
         return sum(h.get(key, 0) or 0 for h in steps)
 
+    def last_eval(stat):  # the last no-hint eval while training (eval_every), NaN without one
+        return next((v for h in reversed(history) for k, v in h.items()
+                     if k.startswith("eval/during/") and f"/{stat}_at_" in k), float("nan"))
+
     return {
         "never_solved": tracker.never_solved(),
         "never_solved_no_hint": tracker.never_solved_no_hint(),
@@ -643,6 +647,8 @@ def summarize(history: list[dict], tracker) -> dict[str, float]:
         "hint_seconds": total("sage/hint_seconds"),
         # the no-hint eval every eval_every steps (not in train_seconds); logged with any step, not only a batch's first
         "eval_seconds": sum(h.get("sage/eval_seconds", 0) or 0 for h in history),
+        "eval_avg_at_k": last_eval("avg"),
+        "eval_pass_at_k": last_eval("pass"),
         # sequential generate calls: rollout passes (first rollout + re-roll rounds) and hint-writing passes
         "rollout_passes": total("sage/rollout_passes"),
         "hint_passes": total("sage/hint_passes"),

@@ -904,6 +904,8 @@ def test_eval_every_scores_the_policy_of_the_step_without_hints_and_leaves_train
     avg_key, pass_key = f"eval/during/{name}/avg_at_2", f"eval/during/{name}/pass_at_2"
     logged = {h["step"]: (h[avg_key], h[pass_key]) for h in with_eval.log_history if avg_key in h}
     assert sorted(logged) == [2, 3]
+    assert (with_eval.summary["eval_avg_at_k"], with_eval.summary["eval_pass_at_k"]) == logged[3]
+    assert math.isnan(without.summary["eval_avg_at_k"])
     rows = eval_rows(spec).to_list()
     for step, (avg, passed) in logged.items():
         offline = evaluate(str(tmp_path / "eval" / f"checkpoint-{step}"), {name: rows}, k=2, temperature=0.0,
