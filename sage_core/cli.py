@@ -359,13 +359,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         except ValidationError as e:
             raise SpecError(format_validation_error(e)) from None
     for name, path in benchmarks.items():
-        if path != "synthetic" and not Path(path.rsplit(":", 1)[0]).exists() and not re.fullmatch(
+        if path not in ("synthetic", "heldout") and not Path(path.rsplit(":", 1)[0]).exists() and not re.fullmatch(
                 r"[\w.-]+/[\w.-]+(:[\w.-]+)?", path):
             raise SpecError(f"--benchmark {name}={path}: no such file (and not an HF dataset name)")
     if args.output:  # the table written over a data file it was scored on would lose that file
         out = Path(args.output).expanduser().resolve()
-        inputs = {f"--benchmark {name}'s data file": p for name, p in benchmarks.items() if p != "synthetic"}
-        for what, p in {**inputs, "the data file (data=) its held-out rows come from": spec.data}.items():
+        inputs = {f"--benchmark {name}'s data file": p for name, p in benchmarks.items()
+                  if p not in ("synthetic", "heldout")}
+        if "heldout" in benchmarks.values():
+            inputs["the data file (data=) its held-out rows come from"] = spec.data
+        for what, p in inputs.items():
             if Path(p).expanduser().resolve() == out:
                 raise SpecError(f"--output {args.output}: is {what}; write the table elsewhere")
     from .evaluate import evaluate
@@ -638,7 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "final/ or checkpoint-N/: the model its run was trained from (the spec.json beside it).")
     p.add_argument("--model", required=True, help="model path (a run's final/ folder), 'tiny', or an HF id")
     p.add_argument("--benchmark", action="append", required=True, metavar="NAME=PATH",
-                   help="benchmark name and .parquet/.jsonl file, or 'synthetic' (held-out rows); repeatable")
+                   help="benchmark name and .parquet/.jsonl file or data set, 'synthetic' (held-out synthetic rows) "
+                        "or 'heldout' (the held-out rows of the spec's data); repeatable")
     _add_spec_args(p)
     p.add_argument("--k", type=int, help="samples per prompt (spec eval_k)")
     p.add_argument("--num-prompts", type=int, help="prompts per benchmark (spec eval_num_prompts)")

@@ -571,31 +571,47 @@ def slug(s: str) -> str:
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", s.lower())).strip("-") or "x"
 
 
+def source_name(source: str) -> str:
+    """A data source's short name: 'synthetic', a file's stem, a data set's last part with its configuration."""
+    return slug(Path(source).stem or source)
+
+
 def heldout_name(spec: Any) -> str:
     """The name eval_rows(spec) is reported under: `<data>-heldout`."""
-    return f"{'synthetic' if spec.data == 'synthetic' else slug(Path(spec.data).stem or spec.data)}-heldout"
+    return f"{source_name(spec.data)}-heldout"
 
 
 def benchmark_rows(spec: Any, source: str):
-    """Rows of one benchmark: 'synthetic' -> held-out synthetic rows (eval_rows of the spec trained on the synthetic
-    task), else a .parquet/.jsonl file, or a data set's test split (load_benchmark), cut to spec.eval_num_prompts
-    rows. The spec's model decides the system turn (none for 'tiny', the paper's prompt otherwise), as in training."""
+    """Rows of one benchmark: 'heldout' -> the held-out rows of spec.data (eval_rows); 'synthetic' -> held-out
+    synthetic rows (those of the spec trained on the synthetic task); else a .parquet/.jsonl file, or a data set's
+    first split of test, validation, train (load_benchmark), cut to spec.eval_num_prompts rows. The spec's model
+    decides the system turn (none for 'tiny', the paper's prompt otherwise), as in training."""
+    if source == "heldout" or source == "synthetic" == spec.data:
+        return eval_rows(spec)
     if source == "synthetic":
-        return eval_rows(spec if spec.data == "synthetic" else spec.model_copy(update={"data": "synthetic"}))
+        return eval_rows(spec.model_copy(update={"data": "synthetic"}))
     return load_benchmark(source, limit=spec.eval_num_prompts, system_prompt=system_prompt_for(spec))
+
+
+def _evaluates_heldout(spec: Any) -> bool:
+    """Whether the eval while training takes the held-out rows of spec.data: no eval_data, 'heldout', or the
+    training source itself (its first rows are the training rows)."""
+    from .spec import absolute_path
+
+    return spec.eval_data in (None, "heldout") or absolute_path(spec.eval_data) == absolute_path(spec.data)
 
 
 def eval_set_name(spec: Any) -> str:
     """The name of the set evaluated while training (eval_every), in its metrics' names."""
-    source = spec.eval_data
-    if source is None:
-        return heldout_name(spec)
-    return "synthetic-heldout" if source == "synthetic" else slug(Path(source.split(":")[0]).stem or source)
+    if _evaluates_heldout(spec) or spec.eval_data == "synthetic":
+        return heldout_name(spec if _evaluates_heldout(spec) else spec.model_copy(update={"data": "synthetic"}))
+    return source_name(spec.eval_data)
 
 
 def eval_set_rows(spec: Any):
-    """The rows evaluated while training (eval_every): spec.eval_data's, else the held-out rows of spec.data."""
-    return eval_rows(spec) if spec.eval_data is None else benchmark_rows(spec, spec.eval_data)
+    """The rows evaluated while training (eval_every): spec.eval_data's, the held-out rows of spec.data where it
+    names none or that same source."""
+    return eval_rows(spec) if _evaluates_heldout(spec) else benchmark_rows(spec, spec.eval_data)
 
 
 def eval_rows(spec: Any):

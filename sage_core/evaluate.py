@@ -59,6 +59,15 @@ def render_prompt(tokenizer, row: Mapping[str, Any]) -> str:
     return "\n".join(m["content"] for m in messages)
 
 
+def at_k(scores: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """(avg@k, pass@k) of each prompt's k scores: the mean fraction correct, the fraction with one correct (NaN for
+    no prompts)."""
+    if not scores:
+        return float("nan"), float("nan")
+    return (sum(sum(s) / len(s) if s else 0.0 for s in scores) / len(scores),
+            sum(any(x > 0 for x in s) for s in scores) / len(scores))
+
+
 def summarise(rows: Sequence[Mapping[str, Any]], completions: Sequence[Sequence[str]], k: int) -> dict[str, Any]:
     """avg@k / pass@k of `completions[i]` (k strings) against `rows[i]["answer"]`."""
     per_prompt: dict[str, float] = {}
@@ -71,12 +80,12 @@ def summarise(rows: Sequence[Mapping[str, Any]], completions: Sequence[Sequence[
         scores = [score(c, str(row["answer"])) for c in comps]
         correct[pid], texts[pid] = scores, list(comps)
         per_prompt[pid] = sum(scores) / len(scores) if scores else 0.0
-    n = len(per_prompt)
+    avg, passed = at_k(list(correct.values()))
     return {
         "k": k,
-        "n_prompts": n,
-        "avg_at_k": sum(per_prompt.values()) / n if n else float("nan"),
-        "pass_at_k": sum(any(s > 0 for s in v) for v in correct.values()) / n if n else float("nan"),
+        "n_prompts": len(per_prompt),
+        "avg_at_k": avg,
+        "pass_at_k": passed,
         "per_prompt": per_prompt,
         "completions": texts,
     }

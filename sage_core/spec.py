@@ -108,8 +108,9 @@ class RunSpec(BaseModel):
                                                           "it does not change training (its sampling has its own "
                                                           "RNG)")
     eval_data: str | None = Field(None, min_length=1, description="the set eval_every scores: 'synthetic' (held-out "
-                                  "synthetic rows), a .parquet/.jsonl file or a data set (its test split), its first "
-                                  "eval_num_prompts rows; None: the held-out rows of `data`")
+                                  "synthetic rows), a .parquet/.jsonl file or a data set (its test, else validation, "
+                                  "else train split), its first eval_num_prompts rows; None, 'heldout' or `data` "
+                                  "itself: the held-out rows of `data`")
 
     @model_validator(mode="after")
     def _check(self) -> "RunSpec":

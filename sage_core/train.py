@@ -307,6 +307,7 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=(), check_tea
     from .hints import OnlineHints, make_hint_source
     from .reward import boxed_reward
     from .schedulers import make_scheduler
+    from .periodic_eval import periodic_eval_rows
     from .trainer import SageGRPOTrainer
 
     # before the policy loads, so a bad teacher (no such file or model) fails at once; a method that uses no hints
@@ -322,24 +323,6 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=(), check_tea
                            processing_class=tokenizer, callbacks=list(callbacks), scheduler=scheduler,
                            hint_source=hint_source, peft_config=peft_config(spec),
                            eval_rows=periodic_eval_rows(spec, tokenizer))
-
-
-def periodic_eval_rows(spec: RunSpec, tokenizer) -> list[dict]:
-    """The rows evaluated every spec.eval_every steps (none without it: data.eval_set_rows), those longer than
-    max_prompt_length left out as training's are."""
-    if not spec.eval_every:
-        return []
-    from .data import DataError, drop_long_prompts, eval_set_name, eval_set_rows
-
-    name, rows = eval_set_name(spec), eval_set_rows(spec)
-    if spec.max_prompt_length:
-        rows, dropped = drop_long_prompts(rows, tokenizer, spec.max_prompt_length)
-        if dropped:
-            log.warning("%s: %d of its prompts are longer than max_prompt_length=%d tokens and are not evaluated",
-                        name, len(dropped), spec.max_prompt_length)
-    if not len(rows):
-        raise DataError(f"eval_every={spec.eval_every}: {name} has no rows to evaluate")
-    return rows.to_list() if hasattr(rows, "to_list") else list(rows)
 
 
 def last_checkpoint(output_dir: str | Path) -> Path | None:

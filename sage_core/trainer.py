@@ -38,7 +38,8 @@ from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints
 from .memory import measured
 from .packing import length_buckets
 from .prompts import LEVELS, hinted_problem
-from .reward import completion_text, score
+from .periodic_eval import NoHintEval
+from .reward import completion_text
 from .schedulers import Action, Scheduler, make_scheduler
 from .tracker import PromptTracker
 
@@ -122,7 +123,7 @@ class Try:
     rewards: list[float]
 
 
-class SageGRPOTrainer(GRPOTrainer):
+class SageGRPOTrainer(NoHintEval, GRPOTrainer):
     def __init__(self, *args, scheduler: Scheduler | None = None, hint_source: HintSource | None = None,
                  eval_rows: list[dict] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -147,7 +148,7 @@ class SageGRPOTrainer(GRPOTrainer):
         self._batch_ids: set[str] = set()  # the step's prompt ids on every process (methods that swap prompts)
         self._no_grad_rows: torch.Tensor | None = None  # rows of the current loss forward that carry no gradient
         self._ctx_limit: int | None | bool = False  # vLLM's context in tokens (None: unknown); False: not read yet
-        self._eval_rows = list(eval_rows or [])  # held-out rows for the no-hint eval every sage_eval_every steps
+        self._eval_rows = list(eval_rows or [])  # rows of the no-hint eval every sage_eval_every steps (NoHintEval)
         self._evaluated_at = -1
         self.eval_seconds = 0.0  # this session's, not training time (sage_core.train leaves it out)
 
@@ -525,7 +526,7 @@ class SageGRPOTrainer(GRPOTrainer):
             new = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
             if temperature > 0:
                 new["temperature"] = temperature
-        if top_p is not None:
+        if top_p is not None and (self.use_vllm or temperature > 0):  # HF greedy takes none (it warns)
             new["top_p"] = top_p
         old = {k: getattr(gen, k) for k in new}
         for k, v in new.items():
@@ -693,59 +694,6 @@ class SageGRPOTrainer(GRPOTrainer):
         m["sage/base_pass_rate"].append(sum(base) / len(base) if base else float("nan"))
 
     # ------------------------------------------------------------------------------------------ resume
-    # ------------------------------------------------------------------------------------------ eval while training
-    def _maybe_log_save_evaluate(self, *args, **kwargs):
-        """Every sage_eval_every steps and at the last one: the no-hint eval, whose metrics go out in this step's
-        log; then HF logs the step and saves its checkpoint."""
-        step, every = self.state.global_step, self.args.sage_eval_every
-        if every and self._eval_rows and step > self._evaluated_at and (step % every == 0 or self._last_step()):
-            self._evaluated_at = step
-            self.evaluate_no_hint()
-        return super()._maybe_log_save_evaluate(*args, **kwargs)
-
-    def _last_step(self) -> bool:
-        """Whether training ends with the step now ending: max_steps, a callback's stop, or a callback that will stop
-        it when this step's metrics are logged (a rollout budget: sage_core.train.RolloutBudget.stops_at)."""
-        if self.state.global_step >= self.state.max_steps or self.control.should_training_stop:
-            return True
-        logged = self._metrics["train"].get("sage/rollouts") or []
-        rollouts = sum(logged) / len(logged) if logged else 0.0  # as TRL's log() will report it
-        return any(cb.stops_at(self.args, self.state, rollouts) for cb in self.callback_handler.callbacks
-                   if hasattr(cb, "stops_at"))
-
-    def evaluate_no_hint(self) -> dict[str, float]:
-        """avg@k and pass@k of the current policy on the eval rows with h empty, as at deployment: every process
-        rolls out its share (k samples a prompt, the eval's temperature and top-p, on the rollout back-end; greedy:
-        one, which is all k), on HF generate in calls as wide as a step's rollouts, on vLLM in one. The RNG is
-        forked and seeded by the step: the eval draws the same samples however often it runs, and training draws
-        what it would have drawn without it."""
-        a, t0, training = self.args, time.perf_counter(), self.model.training
-        rank, world, k = self.accelerator.process_index, self.accelerator.num_processes, a.sage_eval_k
-        mine = self._eval_rows[rank::world]
-        draws = 1 if a.sage_eval_temperature == 0 else k
-        prompts = [r["prompt"] for r in mine for _ in range(draws)]
-        width = max(1, len(prompts) if self.use_vllm else a.per_device_train_batch_size * a.steps_per_generation)
-        calls = max(gather_object([-(-len(prompts) // width)]))  # the same number of generate calls on every rank
-        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
-        comp_ids = []
-        with torch.random.fork_rng(devices=devices), self._sampling(a.max_completion_length,
-                                                                    a.sage_eval_temperature, a.sage_eval_top_p):
-            torch.manual_seed(a.seed + self.state.global_step)
-            for c in range(calls):
-                comp_ids += self._roll(prompts[c * width:(c + 1) * width], kind="eval")[1]
-        self.model.train(training)
-        texts = self.processing_class.batch_decode(comp_ids, skip_special_tokens=True)
-        scores = gather_object([[score(t, str(r["answer"])) for t in texts[i * draws:(i + 1) * draws]] * (k // draws)
-                                for i, r in enumerate(mine)])
-        at = f"eval/during/{a.sage_eval_name}"  # as the before/after evals' eval/<when>/<set>/avg_at_<k>
-        result = {f"{at}/avg_at_{k}": sum(sum(s) / k for s in scores) / len(scores),
-                  f"{at}/pass_at_{k}": sum(any(x > 0 for x in s) for s in scores) / len(scores)}
-        spent = max(gather_object([time.perf_counter() - t0]))
-        self.eval_seconds += spent
-        for key, value in {**result, "sage/eval_seconds": spent}.items():
-            self._metrics["train"][key].append(value)
-        return result
-
     def _save_checkpoint(self, model, trial):
         """HF's checkpoint and the JSON files beside it: each process's place in its fresh-prompt pool (methods that
         swap a collapsed group for a new prompt), so that a resumed run draws the prompts the straight run draws,

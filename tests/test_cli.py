@@ -288,7 +288,7 @@ def test_eval_output_that_is_an_input_data_file_is_refused_before_anything_runs(
     before = data.read_bytes()
     rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", f"mine={data}", "--output", str(data))
     assert rc == 2 and err.startswith(f"sage eval: --output {data}: is --benchmark mine's data file"), err
-    rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "s=synthetic", "--set", f"data={data}",
+    rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "s=heldout", "--set", f"data={data}",
                          "--output", str(tmp_path / ".." / tmp_path.name / "data.parquet"))
     assert rc == 2 and "is the data file (data=) its held-out rows come from" in err, err
     assert data.read_bytes() == before

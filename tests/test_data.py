@@ -442,3 +442,32 @@ def test_a_benchmark_data_set_is_read_from_its_test_split(tmp_path):
     (bad / "test.jsonl").write_text(json.dumps({"problem": "no answer"}))
     with pytest.raises(data.DataError, match="missing column 'answer'"):  # not taken for a missing split
         data.load_benchmark(str(bad))
+
+
+def test_the_eval_while_training_never_scores_training_rows_of_its_own_source(tmp_path, monkeypatch):
+    """eval_data naming the training source itself (as a file, relative or absolute) takes that source's held-out
+    rows, named `<data>-heldout`, never its first rows (the training rows); 'heldout' says so directly; 'synthetic'
+    is the synthetic held-out set whatever the spec trains on; another file is its own first rows."""
+    from sage_core.data import build_dataset, eval_rows, eval_set_name, eval_set_rows, synthetic_rows
+    from sage_core.spec import RunSpec, with_absolute_paths
+
+    rows = synthetic_rows(40, seed=3)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"problem": r["problem"], "answer": r["answer"]}) + "\n"
+                                              for r in rows))
+    (tmp_path / "other.jsonl").write_text("".join(json.dumps({"problem": r["problem"], "answer": r["answer"]}) + "\n"
+                                                  for r in rows[:5]))
+    monkeypatch.chdir(tmp_path)
+    base = with_absolute_paths(RunSpec(data="d.jsonl", num_prompts=16, eval_num_prompts=8, eval_every=1))
+    train = {r["problem"] for r in build_dataset(base)}
+    held = [r["problem"] for r in eval_rows(base)]
+    for source in (None, "heldout", "d.jsonl", str(tmp_path / "d.jsonl")):
+        spec = with_absolute_paths(base.model_copy(update={"eval_data": source}))
+        got = [r["problem"] for r in eval_set_rows(spec)]
+        assert got == held and not set(got) & train and eval_set_name(spec) == "d-heldout", source
+    synthetic = base.model_copy(update={"eval_data": "synthetic"})
+    assert eval_set_name(synthetic) == "synthetic-heldout"
+    assert {r["problem"] for r in eval_set_rows(synthetic)} == {
+        r["problem"] for r in eval_rows(base.model_copy(update={"data": "synthetic"}))}
+    other = with_absolute_paths(base.model_copy(update={"eval_data": "other.jsonl"}))
+    assert eval_set_name(other) == "other" and [r["problem"] for r in eval_set_rows(other)] == [
+        r["problem"] for r in rows[:5]]

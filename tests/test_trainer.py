@@ -945,9 +945,9 @@ def test_eval_data_is_the_set_evaluated_while_training(tiny_model_dir, tmp_path)
                        max_new_tokens=spec.max_completion_length).iloc[0]
     assert logged == pytest.approx((offline.avg_at_k, offline.pass_at_k)) and logged[1] > 0
     named = {src: eval_set_name(spec.model_copy(update={"eval_data": src}))
-             for src in (None, "synthetic", "HuggingFaceH4/MATH-500", "openai/gsm8k:main")}
-    assert named == {None: "synthetic-heldout", "synthetic": "synthetic-heldout", "HuggingFaceH4/MATH-500": "math-500",
-                     "openai/gsm8k:main": "gsm8k"}
+             for src in (None, "heldout", "synthetic", "HuggingFaceH4/MATH-500", "openai/gsm8k:main")}
+    assert named == {None: "synthetic-heldout", "heldout": "synthetic-heldout", "synthetic": "synthetic-heldout",
+                     "HuggingFaceH4/MATH-500": "math-500", "openai/gsm8k:main": "gsm8k-main"}
 
 
 def test_the_eval_of_a_last_step_is_that_steps_and_every_evals_seconds_are_counted(tiny_model_dir, tmp_path):
