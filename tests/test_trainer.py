@@ -993,3 +993,17 @@ def test_the_eval_generates_in_calls_as_wide_as_a_steps_rollouts_and_once_a_prom
     (avg,) = [h["eval/during/synthetic-heldout/avg_at_2"] for h in trainer.state.log_history
               if "eval/during/synthetic-heldout/avg_at_2" in h]
     assert avg * 10 == pytest.approx(round(avg * 10))  # 5 prompts x 2 samples: a multiple of 1/10
+
+
+def test_a_trainer_asked_to_evaluate_without_rows_says_it_evaluates_nothing(tiny_model_dir, tmp_path, caplog):
+    """SageGRPOTrainer used directly with sage_eval_every and no eval_rows (sage_core.train passes them) warns."""
+    from sage_core.reward import boxed_reward
+    from sage_core.train import _trainer_inputs
+    from sage_core.trainer import SageGRPOTrainer
+
+    args, dataset, model, tokenizer = _trainer_inputs(small("grpo"), tmp_path)
+    args.sage_eval_every = 2
+    with caplog.at_level("WARNING", logger="sage_core.trainer"):
+        SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
+                        processing_class=tokenizer)
+    assert "sage_eval_every=2 but no eval_rows were given" in caplog.text
