@@ -88,6 +88,9 @@ class RunSpec(BaseModel):
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     seed: int = Field(0, ge=0, description="seed of the synthetic prompts, the held-out set and training")
     save_steps: int = Field(10, ge=1)
+    keep_checkpoints: int | None = Field(2, ge=1, description="checkpoint-N folders kept on disk, the newest (a "
+                                                              "resume needs one); None: every one, to evaluate "
+                                                              "later (sage eval --model RUN/checkpoint-N)")
     gradient_checkpointing: bool = False
     bf16: bool | None = Field(None, description="None: on for CUDA, off on CPU")
 
@@ -168,11 +171,12 @@ def layout_error(spec: RunSpec, world: int) -> str | None:
 
 # RunSpec fields a run may change when it continues in its output dir: when it stops and saves, how it is evaluated,
 # where and in how much memory vLLM runs. A change to any other field makes it another run.
-RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "rollout_budget", "eval_k", "eval_num_prompts",
-                              "eval_temperature", "eval_top_p", "eval_every", "eval_data", "vllm_server_base_url",
-                              "vllm_gpu_memory_utilization"})
-# evaluation while training: the same run, trained the same, with or without it, on whichever set
-NOT_IN_KEY = frozenset({"eval_every", "eval_data"})
+RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "keep_checkpoints", "rollout_budget", "eval_k",
+                              "eval_num_prompts", "eval_temperature", "eval_top_p", "eval_every", "eval_data",
+                              "vllm_server_base_url", "vllm_gpu_memory_utilization"})
+# the same run, trained the same, with or without them: evaluation while training (on whichever set), how many
+# checkpoints stay on disk
+NOT_IN_KEY = frozenset({"eval_every", "eval_data", "keep_checkpoints"})
 
 
 PATH_FIELDS = ("model", "data", "teacher", "eval_data")  # a local path, a built-in name, a hub id or (teacher) a URL

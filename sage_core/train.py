@@ -85,7 +85,7 @@ def build_config(spec: RunSpec, output_dir: str | Path):
         data_seed=spec.seed,
         save_strategy="steps",
         save_steps=spec.save_steps * spec.updates_per_generation,
-        save_total_limit=2,
+        save_total_limit=spec.keep_checkpoints,
         logging_steps=1,
         report_to="none",
         use_cpu=not cuda,

@@ -1007,3 +1007,19 @@ def test_a_trainer_asked_to_evaluate_without_rows_says_it_evaluates_nothing(tiny
         SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
                         processing_class=tokenizer)
     assert "sage_eval_every=2 but no eval_rows were given" in caplog.text
+
+
+def test_keep_checkpoints_keeps_the_newest_or_every_one(tiny_model_dir, tmp_path):
+    """Checkpoints every step over 3 steps: the default keeps the newest 2 (the resume needs the last), None keeps
+    every one (to evaluate later), and a run continued with another value keeps what that value says."""
+    spec = small("grpo", num_prompts=4, max_steps=3, save_steps=1)
+    train(spec, tmp_path / "two")
+    train(spec.model_copy(update={"keep_checkpoints": None}), tmp_path / "all")
+
+    def names(folder):
+        return sorted(p.name for p in folder.glob("checkpoint-*"))
+
+    assert names(tmp_path / "two") == ["checkpoint-2", "checkpoint-3"]
+    assert names(tmp_path / "all") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    train(spec.model_copy(update={"keep_checkpoints": 1, "max_steps": 4}), tmp_path / "all")
+    assert names(tmp_path / "all") == ["checkpoint-4"]
