@@ -603,9 +603,9 @@ def _evaluates_heldout(spec: Any) -> bool:
 
 def eval_set_name(spec: Any) -> str:
     """The name of the set evaluated while training (eval_every), in its metrics' names."""
-    if _evaluates_heldout(spec) or spec.eval_data == "synthetic":
-        return heldout_name(spec if _evaluates_heldout(spec) else spec.model_copy(update={"data": "synthetic"}))
-    return source_name(spec.eval_data)
+    if _evaluates_heldout(spec):
+        return heldout_name(spec)
+    return "synthetic-heldout" if spec.eval_data == "synthetic" else source_name(spec.eval_data)
 
 
 def eval_set_rows(spec: Any):

@@ -180,7 +180,7 @@ NOT_IN_KEY = frozenset({"eval_every", "eval_data", "keep_checkpoints"})
 
 
 PATH_FIELDS = ("model", "data", "teacher", "eval_data")  # a local path, a built-in name, a hub id or (teacher) a URL
-BUILT_IN_NAMES = frozenset({"tiny", "smollm2", "synthetic"})
+BUILT_IN_NAMES = frozenset({"tiny", "smollm2", "synthetic", "heldout"})  # heldout: eval_data's keyword
 
 
 def absolute_path(value):
