@@ -257,6 +257,10 @@ def test_real_run_runs_page(monkeypatch, real_store):
     row = table[table["run_id"] == real_store["run_id"]].iloc[0]
     assert (row["method"], row["status"], row["model"], row["kind"]) == ("sage", "FINISHED", "tiny", "train")
     assert row["hint source"] == "online" and row["G"] == 4
+    from mlflow.tracking import MlflowClient
+
+    curve = MlflowClient(real_store["uri"]).get_metric_history(real_store["run_id"], EVAL_DURING)
+    assert row["no-hint eval (last)"] == pytest.approx(max(curve, key=lambda m: m.step).value)
     assert at.session_state[f"runs::{real_store['experiment_id']}"] == [real_store["run_id"]]
     code = at.code[0].value
     assert code.startswith("http://mlflow.test:5055/#/compare-runs?runs=")

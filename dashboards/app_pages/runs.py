@@ -28,6 +28,12 @@ def _last(metrics: dict, key: str):
     return float(v) if v is not None else None
 
 
+def _last_eval(metrics: dict):
+    """The last no-hint avg@k of the eval while training (eval_every), of its first set; None without one."""
+    keys = sorted(k for k in metrics if k.startswith("eval/during/") and "/avg_at_" in k)
+    return _last(metrics, keys[0]) if keys else None
+
+
 base = D.mlflow_ui_url()
 table = pd.DataFrame({
     "run": view["run_name"],
@@ -41,6 +47,7 @@ table = pd.DataFrame({
     "minutes": ((view["end_time"] - view["start_time"]).dt.total_seconds() / 60).round(1),
     "collapsed (last)": [_last(m, "sage/frac_collapsed") for m in view["metrics"]],
     "reward (last)": [_last(m, "reward") for m in view["metrics"]],
+    "no-hint eval (last)": [_last_eval(m) for m in view["metrics"]],
     "parent": view["parent_run_id"].str[:8],
     "selected": view["run_id"].isin(ctx.selected),
     "mlflow": [D.run_url(r, e, base) for r, e in zip(view["run_id"], view["experiment_id"])],
@@ -49,6 +56,8 @@ table = pd.DataFrame({
 st.dataframe(table, hide_index=True, key="runs_table", column_config={
     "collapsed (last)": st.column_config.ProgressColumn(min_value=0.0, max_value=1.0, format="%.2f"),
     "reward (last)": st.column_config.NumberColumn(format="%.3f"),
+    "no-hint eval (last)": st.column_config.NumberColumn(format="%.3f", help="avg@k without hints, the last "
+                                                          "eval while training (eval_every)"),
     "started": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm"),
     "selected": st.column_config.CheckboxColumn(help="picked in the sidebar"),
     "mlflow": st.column_config.LinkColumn("MLflow", display_text="open"),
