@@ -3,7 +3,7 @@
     sage presets                                   list the named presets
     sage spec  --preset tiny-cpu [--set k=v ...]   print the validated RunSpec as JSON
     sage train --preset tiny-cpu [--spec f.json] [--set k=v ...] [--output-dir DIR] [--mlflow]
-    sage eval  --model PATH --benchmark name=path [--benchmark ...] [--k 4] [--num-prompts 32]
+    sage eval  --model PATH|RUN --benchmark name=path [--benchmark ...] [--k 4] [--num-prompts 32]
     sage hints --teacher URL|PATH|FILE --out hints.jsonl [--levels 1,2,3]   a teacher's hints for the spec's prompts
     sage launch --preset qwen2.5-7b [--gpus 0,1,...] [--config zero3] [--vllm-mode server] [--dry-run]
 
@@ -382,9 +382,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .data import benchmark_rows
 
     rows = {name: benchmark_rows(spec, path) for name, path in benchmarks.items()}
-    table = evaluate(args.model, rows, use_vllm=spec.use_vllm, k=spec.eval_k, temperature=spec.eval_temperature,
-                     top_p=spec.eval_top_p, max_new_tokens=spec.max_completion_length, seed=spec.seed,
-                     gguf_file=spec.gguf_file)
+
+    def scores(model: str):
+        return evaluate(model, rows, use_vllm=spec.use_vllm, k=spec.eval_k, temperature=spec.eval_temperature,
+                        top_p=spec.eval_top_p, max_new_tokens=spec.max_completion_length, seed=spec.seed,
+                        gguf_file=spec.gguf_file)
+
+    if checkpoints := run_checkpoints(args.model):  # a run's folder: each checkpoint, a curve over steps
+        import pandas as pd
+
+        table = pd.concat([scores(m).assign(step=s, model=m) for s, m in checkpoints], ignore_index=True)
+    else:
+        table = scores(args.model)
     if args.output:
         if args.output.lower().endswith(".parquet"):
             table.to_parquet(args.output, index=False)
@@ -392,6 +401,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
             Path(args.output).write_text(json.dumps(_jsonable(table), indent=2))
     print(table.to_string(index=False) if hasattr(table, "to_string") else json.dumps(_jsonable(table), indent=2))
     return 0
+
+
+def run_checkpoints(folder: str) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint-N/ of a run's folder (one `sage train` wrote: a spec.json, no model of its
+    own), in step order: `sage eval --model RUN` evaluates each, a curve after training (keep_checkpoints=None keeps
+    them all). [] for anything else: a model folder, a name."""
+    run = Path(folder).expanduser()
+    if not (run / "spec.json").is_file() or (run / "config.json").exists():
+        return []
+    found = [(int(m.group(1)), str(p)) for p in run.glob("checkpoint-*")
+             if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()]
+    if not found:
+        raise SpecError(f"--model {folder}: a run's folder without checkpoint-N/ folders to evaluate (its final/ is "
+                        f"{run / 'final'})")
+    return sorted(found)
 
 
 def cmd_hints(args: argparse.Namespace) -> int:
@@ -639,7 +663,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "eval_top_p, max_completion_length, use_vllm) come from the spec; its model decides the "
                        "system turn (none for tiny-cpu, the paper's prompt for the GPU presets), except for a run's "
                        "final/ or checkpoint-N/: the model its run was trained from (the spec.json beside it).")
-    p.add_argument("--model", required=True, help="model path (a run's final/ folder), 'tiny', or an HF id")
+    p.add_argument("--model", required=True, help="model path (a run's final/ or checkpoint-N/ folder), 'tiny', an HF "
+                   "id, or a run's folder: each of its checkpoint-N/ (a `step` column)")
     p.add_argument("--benchmark", action="append", required=True, metavar="NAME=PATH",
                    help="benchmark name and .parquet/.jsonl file or data set, 'synthetic' (held-out synthetic rows) "
                         "or 'heldout' (the held-out rows of the spec's data); repeatable")

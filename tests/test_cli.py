@@ -737,3 +737,35 @@ def test_a_stopped_launch_ends_its_mlflow_run_killed(capsys, tmp_path, monkeypat
                                  and "sage launch: stopped by SIGTERM" in capsys.readouterr().err)
     run = tracking.client().get_run((out / "mlflow_run_id").read_text().strip())
     assert run.info.status == status and run.info.end_time is not None
+
+
+def test_eval_of_a_runs_folder_scores_each_checkpoint_as_a_curve(capsys, tmp_path, tiny_model_dir):
+    """`sage eval --model RUN` (a run's folder, its checkpoints kept with keep_checkpoints=None): one row per
+    checkpoint and benchmark, with its step and path, each the scores of that checkpoint evaluated alone; a run's
+    folder without checkpoints is named."""
+    import pandas as pd
+
+    from sage_core.data import benchmark_rows
+    from sage_core.evaluate import evaluate
+    from sage_core.presets import preset
+    from sage_core.train import train
+
+    spec = preset("tiny-cpu", method="grpo", num_prompts=4, prompts_per_step=2, num_generations=4, max_steps=2,
+                  save_steps=1, keep_checkpoints=None)
+    train(spec, tmp_path / "run")
+    out = tmp_path / "curve.parquet"
+    rc, _, err = run_cli(capsys, "eval", "--model", str(tmp_path / "run"), "--benchmark", "h=heldout", "--k", "2",
+                         "--num-prompts", "4", "--temperature", "0", "--output", str(out))
+    assert rc == 0, err
+    table = pd.read_parquet(out)
+    assert list(table["step"]) == [1, 2] and set(table["benchmark"]) == {"h"}
+    rows = benchmark_rows(spec.model_copy(update={"eval_num_prompts": 4}), "heldout")
+    for r in table.itertuples():
+        alone = evaluate(r.model, {"h": rows}, k=2, temperature=0.0, max_new_tokens=spec.max_completion_length)
+        assert (r.avg_at_k, r.pass_at_k) == pytest.approx((alone.avg_at_k[0], alone.pass_at_k[0]))
+        assert r.model == str(tmp_path / "run" / f"checkpoint-{r.step}")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "spec.json").write_text(spec.model_dump_json())
+    rc, _, err = run_cli(capsys, "eval", "--model", str(empty), "--benchmark", "h=heldout")
+    assert rc == 2 and "a run's folder without checkpoint-N/ folders" in err, err
