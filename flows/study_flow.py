@@ -23,9 +23,9 @@ sampling): every variant of a seed trains and is evaluated on that seed's prompt
 are paired by seed. `study/summary.{parquet,csv,md}` (and the table artifact `<experiment>-summary`) gives per
 variant the mean over seeds, the per-seed range of no-hint avg@k after training, and the paired change against GRPO
 of the same seed (mean, min, max). The study run is the same for any list of seeds (the seed is left out of its
-key, as are the fields set per variant; `match_budget` and `benchmarks` are in it): a later call trains only the variants and seeds not finished
-before, and its tables cover every variant and seed the study holds (what earlier calls finished too; the newest
-complete run of each), ordered by seed.
+key, as are the fields set per variant; `match_budget` and `benchmarks` are in it): a later call trains only the
+variants and seeds not finished before, and its tables cover every variant and seed the study holds (what earlier
+calls finished too; the newest complete run of each), ordered by seed.
 """
 
 from __future__ import annotations

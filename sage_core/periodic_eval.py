@@ -42,8 +42,16 @@ def periodic_eval_rows(spec, tokenizer) -> list[dict]:
 
 
 class NoHintEval:
-    """Mixed into SageGRPOTrainer (before GRPOTrainer), which holds `_eval_rows`, `_evaluated_at`, `eval_seconds`
-    and the generate helpers `_roll` and `_sampling`."""
+    """Mixed into SageGRPOTrainer (before GRPOTrainer), whose __init__ calls `_init_no_hint_eval` and which holds
+    the generate helpers `_roll` and `_sampling`."""
+
+    def _init_no_hint_eval(self, eval_rows: list[dict] | None) -> None:
+        self._eval_rows = list(eval_rows or [])  # the rows evaluated every sage_eval_every steps
+        if self.args.sage_eval_every and not self._eval_rows:
+            log.warning("sage_eval_every=%d but no eval_rows were given: nothing is evaluated while training",
+                        self.args.sage_eval_every)
+        self._evaluated_at = -1  # the step last evaluated
+        self.eval_seconds = 0.0  # this session's, not training time (sage_core.train leaves it out)
 
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         """Every sage_eval_every steps and at the last one: the no-hint eval, whose metrics go out in this step's

@@ -105,11 +105,10 @@ class RunSpec(BaseModel):
     eval_num_prompts: int = Field(32, ge=1)
     eval_temperature: float = Field(0.6, ge=0.0, description="0 = greedy")
     eval_top_p: float = Field(0.95, gt=0.0, le=1.0)
-    eval_every: int | None = Field(None, ge=1, description="during training, every this many steps (and at the last): "
-                                                          "no-hint avg@k / pass@k of the policy on the held-out set, "
-                                                          "as MLflow metrics eval/during/<set>/avg_at_<k>, pass_at_<k>; "
-                                                          "it does not change training (its sampling has its own "
-                                                          "RNG)")
+    eval_every: int | None = Field(None, ge=1, description="during training, every this many steps (and at the "
+                                   "last): no-hint avg@k / pass@k of the policy on the held-out set, as MLflow metrics "
+                                   "eval/during/<set>/avg_at_<k>, pass_at_<k>; it does not change training (its "
+                                   "sampling has its own RNG)")
     eval_data: str | None = Field(None, min_length=1, description="the set eval_every scores: 'synthetic' (held-out "
                                   "synthetic rows), a .parquet/.jsonl file or a data set (its test, else validation, "
                                   "else train split), its first eval_num_prompts rows; None, 'heldout' or `data` "

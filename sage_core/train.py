@@ -305,9 +305,9 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=(), check_tea
     """SageGRPOTrainer for `spec`. check_teacher False: a teacher endpoint is not asked whether it is up (a run that is
     done and trains nothing: the server may be gone since)."""
     from .hints import OnlineHints, make_hint_source
+    from .periodic_eval import periodic_eval_rows
     from .reward import boxed_reward
     from .schedulers import make_scheduler
-    from .periodic_eval import periodic_eval_rows
     from .trainer import SageGRPOTrainer
 
     # before the policy loads, so a bad teacher (no such file or model) fails at once; a method that uses no hints
@@ -427,8 +427,8 @@ def check_tracker_files(output_dir: Path, ckpt: Path, every: int = 1) -> None:
         one = len(missing) == 1
         it = "it" if one else "them"
         raise DataError(f"{tdir}: the tracker {'file of step' if one else 'files of steps'} {_spans(missing)} "
-                        f"{'is' if one else 'are'} missing (resuming from {ckpt.name}): the run's per-prompt record and "
-                        f"state are kept in the tracker files: restore {it}, or start over (--no-resume)")
+                        f"{'is' if one else 'are'} missing (resuming from {ckpt.name}): the run's per-prompt record "
+                        f"and state are kept in the tracker files: restore {it}, or start over (--no-resume)")
     tracker.check_files(step)
 
 
@@ -446,9 +446,10 @@ def _spans(steps: list[int], most: int = 8) -> str:
 
 def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = True) -> TrainResult:
     """Train one run. With resume=True a run whose output_dir holds a checkpoint continues from it (optimizer,
-    step, and the scheduler/tracker state kept in the checkpoint or replayed from the tracker files). An output_dir holding a run of another
-    spec is refused (RunFolderTaken) before anything is written. Ended by an exception, each callback with an
-    `end_run` is told (a tracking callback that opened its MLflow run itself ends it KILLED or FAILED)."""
+    step, and the scheduler/tracker state kept in the checkpoint or replayed from the tracker files). An output_dir
+    holding a run of another spec is refused (RunFolderTaken) before anything is written. Ended by an exception,
+    each callback with an `end_run` is told (a tracking callback that opened its MLflow run itself ends it KILLED or
+    FAILED)."""
     try:
         return _train(spec, output_dir, callbacks, resume)
     except BaseException as e:

@@ -37,8 +37,8 @@ from .data import PromptTooLong
 from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints, leaks
 from .memory import measured
 from .packing import length_buckets
-from .prompts import LEVELS, hinted_problem
 from .periodic_eval import NoHintEval
+from .prompts import LEVELS, hinted_problem
 from .reward import completion_text
 from .schedulers import Action, Scheduler, make_scheduler
 from .tracker import PromptTracker
@@ -148,12 +148,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         self._batch_ids: set[str] = set()  # the step's prompt ids on every process (methods that swap prompts)
         self._no_grad_rows: torch.Tensor | None = None  # rows of the current loss forward that carry no gradient
         self._ctx_limit: int | None | bool = False  # vLLM's context in tokens (None: unknown); False: not read yet
-        self._eval_rows = list(eval_rows or [])  # rows of the no-hint eval every sage_eval_every steps (NoHintEval)
-        if a.sage_eval_every and not self._eval_rows:
-            log.warning("sage_eval_every=%d but no eval_rows were given: nothing is evaluated while training",
-                        a.sage_eval_every)
-        self._evaluated_at = -1
-        self.eval_seconds = 0.0  # this session's, not training time (sage_core.train leaves it out)
+        self._init_no_hint_eval(eval_rows)
 
     # ------------------------------------------------------------------------------------------ TRL hooks
     def _get_train_sampler(self, dataset=None):

@@ -1003,7 +1003,7 @@ def test_a_trainer_asked_to_evaluate_without_rows_says_it_evaluates_nothing(tiny
 
     args, dataset, model, tokenizer = _trainer_inputs(small("grpo"), tmp_path)
     args.sage_eval_every = 2
-    with caplog.at_level("WARNING", logger="sage_core.trainer"):
+    with caplog.at_level("WARNING", logger="sage_core.periodic_eval"):
         SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
                         processing_class=tokenizer)
     assert "sage_eval_every=2 but no eval_rows were given" in caplog.text
