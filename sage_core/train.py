@@ -5,6 +5,7 @@ MLflow logging is not done here: callers pass `sage_core.tracking`'s callback (t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -462,6 +463,59 @@ def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = Tr
         raise
 
 
+TRAINING_ROWS = "training_rows.json"  # [prompt_id, digest] of each training row, in order: what a resume checks
+ROW_FIELDS = ("prompt", "problem", "solution", "answer")  # what training reads of a row (difficulty is a label)
+
+
+def row_digests(dataset) -> list[list[str]]:
+    """[prompt_id, digest of the fields training reads] of every training row, in the data set's order."""
+    fields = [f for f in ROW_FIELDS if f in dataset.column_names]
+    return [[row["prompt_id"], hashlib.sha256(json.dumps([row[f] for f in fields], sort_keys=True, default=str,
+                                                         ensure_ascii=False).encode()).hexdigest()[:16]]
+            for row in dataset]
+
+
+def rows_changed(old: list, new: list) -> str:
+    """What differs between two row_digests lists, in words ("" when they are the same)."""
+    if old == new:
+        return ""
+    before, after = dict(map(tuple, old)), dict(map(tuple, new))
+
+    def some(ids: list[str]) -> str:
+        return ", ".join(ids[:3]) + (f", ... ({len(ids)} in all)" if len(ids) > 3 else "")
+
+    parts = [f"{len(ids)} {what} ({some(ids)})" for what, ids in (
+        ("changed", [p for p, d in after.items() if before.get(p, d) != d]),
+        ("added", [p for p in after if p not in before]),
+        ("removed", [p for p in before if p not in after])) if ids]
+    return "; ".join(parts) or "the same rows in another order"
+
+
+def check_training_rows(output_dir: str | Path, dataset, data: str, resuming: bool, main: bool = True) -> None:
+    """A run records the rows it starts on (`<output_dir>/training_rows.json`, by prompt id: a digest of its prompt,
+    problem, solution and answer, in order); a resume whose rows differ (the data file was edited, or another one
+    now has its path) raises a DataError naming the rows, before anything of the run is touched: it would train
+    other prompts under the first ones' ids (their tracker history, SAGE-LIGHT levels and fixed hints). A run
+    started before this file existed records its rows at its next resume. The main process writes the file."""
+    from .data import DataError
+
+    path, rows = Path(output_dir) / TRAINING_ROWS, row_digests(dataset)
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))["rows"] if resuming else None
+    except (OSError, ValueError, KeyError, TypeError):  # none (an older run's folder) or unreadable: recorded anew
+        old = None
+    if old is not None:
+        if changed := rows_changed(old, rows):
+            raise DataError(f"{output_dir}: the training rows of {data} are not the ones this run started on "
+                            f"({changed}); resuming would train other prompts under their ids: train them into "
+                            "another output dir, or start this run over (resume off: sage train --no-resume)")
+        return
+    if main:
+        tmp = path.with_name(f".{TRAINING_ROWS}.{os.getpid()}")
+        tmp.write_text(json.dumps({"data": data, "rows": rows}))
+        tmp.replace(path)
+
+
 def is_done(spec: RunSpec, step: int, state: TrainerState) -> bool:
     """Whether a run whose checkpoint is at optimizer step `step` (its trainer state `state`) has nothing left to
     train: max_steps reached (in optimizer steps: updates_per_generation a batch), or its rollout budget spent."""
@@ -496,6 +550,9 @@ def _train(spec: RunSpec, output_dir: str | Path, callbacks, resume: bool) -> Tr
     # a run that is done trains nothing: its teacher endpoint (maybe shut down since) is not asked whether it is up
     trainer = build_trainer(spec, output_dir, [*callbacks, clock], check_teacher=not done)
     clock.not_training = lambda: trainer.eval_seconds
+    # before anything of the run is discarded: a resume trains on the rows the run started on, or not at all
+    check_training_rows(output_dir, trainer.train_dataset, spec.data, resuming=ckpt is not None,
+                        main=trainer.accelerator.is_main_process)
     if stale := trainer.tracker.discard_after(step):
         log.warning("%s: %d tracker files of steps after %s were discarded (written after the last checkpoint, "
                     "or by an earlier run); those steps are trained again", output_dir, len(stale),

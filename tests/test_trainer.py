@@ -370,6 +370,48 @@ def test_a_done_run_run_again_trains_nothing_and_keeps_its_model(tiny_model_dir,
     assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in got)
 
 
+def test_a_data_file_edited_under_a_run_is_refused_at_resume_and_nothing_of_the_run_is_touched(tiny_model_dir,
+                                                                                                 tmp_path):
+    """The run's identity is the data's path: edited after the run started, its rows were trained as if they were
+    the first ones (a finished run was "done", a resumed one went on with the new problems under the old ids and
+    their hints). Now the resume names the rows that differ and leaves the run as it was; put back, it resumes."""
+    from sage_core.data import DataError, synthetic_rows
+
+    data = tmp_path / "mine.jsonl"
+    rows = [{k: r[k] for k in ("problem", "solution", "answer", "prompt_id")} for r in synthetic_rows(6, seed=3)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = small("grpo", data=str(data), num_prompts=4, max_steps=1, save_steps=1)
+    out = tmp_path / "run"
+    train(spec, out)
+    recorded = json.loads((out / "training_rows.json").read_text())["rows"]
+    assert [pid for pid, _ in recorded] == [r["prompt_id"] for r in rows[:4]]
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    original = data.read_text()
+    edited = [dict(r) for r in rows]
+    edited[1]["answer"] = "998"  # a corrected answer
+    edited[2]["problem"] += " Twice."
+    data.write_text("".join(json.dumps(r) + "\n" for r in edited))
+    for again in (spec, spec.model_copy(update={"max_steps": 2})):  # done, and resumed to train on
+        with pytest.raises(DataError, match=rf"2 changed \({rows[1]['prompt_id']}, {rows[2]['prompt_id']}\)"):
+            train(again, out)
+        after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        assert {k: v for k, v in after.items() if k.name != "spec.json"} == {
+            k: v for k, v in before.items() if k.name != "spec.json"}
+    reordered = [rows[1], rows[0], *rows[2:]]
+    data.write_text("".join(json.dumps(r) + "\n" for r in reordered))
+    with pytest.raises(DataError, match="the same rows in another order"):
+        train(spec, out)
+    # the rows past the training ones (the held-out rows) are not the run's: adding some changes nothing
+    extra = {**rows[0], "prompt_id": "extra", "problem": "1 + 1 ?", "answer": "2"}
+    data.write_text(original + json.dumps(extra) + "\n")
+    assert train(spec.model_copy(update={"max_steps": 2}), out).global_step == 2
+    # started over (resume off), the run records the rows it starts on now
+    data.write_text("".join(json.dumps(r) + "\n" for r in edited))
+    train(spec, out, resume=False)
+    assert json.loads((out / "training_rows.json").read_text())["rows"] != recorded
+
+
 def test_a_resume_saves_at_its_own_save_steps(tiny_model_dir, tmp_path):
     """HF's Trainer kept the save interval of the checkpoint's trainer_state.json: resumed with save_steps 2 -> 1,
     it saved at step 4 only, and a kill after step 3 lost it."""
