@@ -251,7 +251,12 @@ def _is_missing(v: Any) -> bool:
 
 
 def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
-    """Records of a .parquet/.jsonl/.json file, a local dataset dir or an HF dataset name, and a display name."""
+    """Records of a .parquet/.jsonl/.json file, a local dataset dir or an HF dataset name, and a display name.
+
+    A folder written by `datasets`' save_to_disk is read with load_from_disk: a saved DatasetDict gives its `split`
+    (a MissingSplit naming the splits it has where it lacks it); a saved single Dataset has no splits, so it is the
+    data whatever `split` is asked for. Float32/float16 values (Parquet, Arrow) are read as the shortest decimal
+    that is the same number in their own precision (a float32 0.1 is 0.1, not 0.10000000149011612)."""
     path = Path(source).expanduser()
     suffix = path.suffix.lower()
     if suffix in (".parquet", ".jsonl", ".json") or path.is_file():
@@ -262,7 +267,7 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
             import pyarrow.parquet as pq
 
             try:
-                return pq.read_table(path).to_pylist(), str(path.resolve())
+                return _shortest_floats(pq.read_table(path)).to_pylist(), str(path.resolve())
             except pa.ArrowException as e:
                 raise DataError(f"{path.resolve()}: not a readable Parquet file ({e})") from e
         try:
@@ -304,6 +309,8 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
     if not path.exists() and ":" in source:
         name, config = source.rsplit(":", 1)
         path = Path(name).expanduser()
+    if config is None and _saved_to_disk(path) is not None:
+        return _records_of(_load_from_disk(path, source, split)), str(path.resolve())
     try:
         ds = datasets.load_dataset(str(path) if path.is_dir() else name, config or None, split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:  # no such name, offline, no such split
@@ -313,7 +320,70 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
         # datasets says "Unknown split" in a plain ValueError: the words are all there is to tell it by
         error = MissingSplit if "unknown split" in str(e).lower() else DataError
         raise error(f"{source}: {what}, split {split!r} does not load ({e.__class__.__name__}: {e}){hint}") from e
-    return [dict(r) for r in ds], (str(path.resolve()) + (f":{config}" if config else "") if path.is_dir() else source)
+    return _records_of(ds), (str(path.resolve()) + (f":{config}" if config else "") if path.is_dir() else source)
+
+
+def _saved_to_disk(path: Path) -> str | None:
+    """What save_to_disk wrote in folder `path`: "dict" (a DatasetDict: dataset_dict.json), "dataset" (a single
+    Dataset: state.json beside its .arrow files), else None."""
+    if not path.is_dir():
+        return None
+    if (path / "dataset_dict.json").is_file():
+        return "dict"
+    return "dataset" if (path / "state.json").is_file() and any(path.glob("*.arrow")) else None
+
+
+def _load_from_disk(path: Path, source: str, split: str):
+    """The Dataset of a save_to_disk folder: a DatasetDict's `split`, a single Dataset whatever `split` is."""
+    import datasets
+    import datasets.exceptions
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+        raise DataError(f"{source}: the dataset folder written by save_to_disk does not load "
+                        f"({e.__class__.__name__}: {e})") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise MissingSplit(f"{source}: the local dataset folder, split {split!r} does not load (it has the "
+                               f"splits {sorted(ds)})")
+        ds = ds[split]
+    return ds
+
+
+def _records_of(ds: Any) -> list[dict[str, Any]]:
+    """The rows of a `datasets.Dataset` as dicts, float32/float16 values as in _shortest_floats."""
+    return _shortest_floats(ds.with_format("arrow")[:]).to_pylist()
+
+
+def _shortest_floats(table: Any) -> Any:
+    """`table` (a pyarrow Table) with its float32/float16 columns, struct fields among them, as float64 columns of
+    the shortest decimals that are the same numbers in their own precision: to_pylist would widen a float32 0.1 to
+    0.10000000149011612, an answer no reply states. Nulls and NaN stay missing."""
+    import numpy
+    import pyarrow as pa
+
+    narrow = {pa.float16(): numpy.float16, pa.float32(): numpy.float32}
+
+    def has_narrow(t: Any) -> bool:
+        return t in narrow or (pa.types.is_struct(t) and any(has_narrow(f.type) for f in t))
+
+    def convert(arr: Any) -> Any:
+        if arr.type in narrow:
+            cast = narrow[arr.type]
+            return pa.array([None if v is None else float(str(cast(v))) for v in arr.to_pylist()], pa.float64())
+        if pa.types.is_struct(arr.type) and has_narrow(arr.type):
+            return pa.StructArray.from_arrays([convert(c) for c in arr.flatten()], names=[f.name for f in arr.type],
+                                              mask=arr.is_null() if arr.null_count else None)
+        return arr
+
+    for i, field in enumerate(table.schema):
+        if has_narrow(field.type):
+            column = table.column(i)
+            chunks = [convert(c) for c in column.chunks]
+            new_type = chunks[0].type if chunks else convert(pa.array([], field.type)).type
+            table = table.set_column(i, field.name, pa.chunked_array(chunks, new_type))
+    return table
 
 
 def _json_lines(text: str, path: Path | str) -> list[dict[str, Any]]:
@@ -618,9 +688,10 @@ def eval_rows(spec: Any):
     """Held-out no-hint evaluation rows of a RunSpec (spec.eval_num_prompts of them).
 
     synthetic: seed spec.seed + EVAL_SEED_OFFSET, difficulty mixed, problems of the training set excluded.
-    A file: the rows after the first spec.num_prompts (the training rows). A dataset folder or HF name: its 'test'
-    or 'validation' split that is not the training split (spec.data_split), else, where training takes its rows
-    from the only one it has (MATH-500 has only 'test'), that split's rows after the training rows.
+    A file, or a folder of a single Dataset written by save_to_disk (it has no splits): the rows after the first
+    spec.num_prompts (the training rows). A dataset folder or HF name: its 'test' or 'validation' split that is not
+    the training split (spec.data_split), else (MATH-500 has only 'test', a local folder may have only 'train') the
+    training split's rows after the training rows.
     """
     system = system_prompt_for(spec)
     n = spec.eval_num_prompts
@@ -630,16 +701,18 @@ def eval_rows(spec: Any):
                                           system_prompt=system) if r["problem"] not in train][:n]
         return to_dataset(rows)
     eval_splits = ("test", "validation")
-    if not Path(spec.data).expanduser().is_file():
+    path = Path(spec.data).expanduser()
+    if not path.is_file() and _saved_to_disk(path) != "dataset":
         try:
             return load_benchmark(spec.data, n, system, splits=tuple(s for s in eval_splits if s != spec.data_split))
         except MissingSplit:
-            if spec.data_split not in eval_splits:
-                raise
+            pass  # no other split to evaluate on: the training split's rows after the training rows
     records, name = read_records(spec.data, spec.data_split)
     rest = records[spec.num_prompts:spec.num_prompts + n]
     if not rest:
-        raise DataError(f"{name}: no rows left for evaluation after the first {spec.num_prompts} training rows")
+        raise DataError(f"{name}: no rows left for evaluation after the first {spec.num_prompts} training rows: it "
+                        f"has {len(records)} row{'' if len(records) == 1 else 's'}, all of them within the first "
+                        f"{spec.num_prompts} (num_prompts)")
     return to_dataset(normalise_records(rest, name, system, first_row=spec.num_prompts, for_hints=False))
 
 
@@ -655,4 +728,5 @@ def load_benchmark(source: str, limit: int | None = None, system_prompt: str | N
             return load_rows(source, split=split, limit=limit, system_prompt=system_prompt, for_hints=False)
         except MissingSplit as e:
             missing.append(e)
-    raise MissingSplit(f"{source}: no {' or '.join(map(repr, splits))} split for evaluation ({missing[-1].__cause__})")
+    why = missing[-1].__cause__ or missing[-1]
+    raise MissingSplit(f"{source}: no {' or '.join(map(repr, splits))} split for evaluation ({why})")

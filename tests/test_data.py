@@ -343,6 +343,84 @@ def test_held_out_rows_of_a_data_set_trained_on_its_test_split_are_not_its_train
     assert eval_rows(spec.model_copy(update={"data_split": "validation"}))["problem"] == ["t0", "t1", "t2"]
 
 
+@pytest.mark.filterwarnings("ignore:.*answer-free")
+def test_a_folder_written_by_save_to_disk_loads_a_dataset_or_a_split_of_a_dataset_dict(tmp_path):
+    """`datasets`' save_to_disk folders: a DatasetDict's split by name (a MissingSplit naming the splits it has where
+    it lacks one); a single Dataset has no splits: it is the data whatever split is asked, held out as a file is."""
+    import datasets
+
+    def rows(prefix, n):
+        return datasets.Dataset.from_list([{"problem": f"{prefix}{i}", "answer": str(i)} for i in range(n)])
+
+    single = tmp_path / "single"
+    rows("s", 6).save_to_disk(str(single))
+    assert load_rows(str(single))["problem"] == [f"s{i}" for i in range(6)]
+    assert load_rows(str(single), split="test")["problem"] == [f"s{i}" for i in range(6)]
+    spec = RunSpec(data=str(single), num_prompts=4, prompts_per_step=4, eval_num_prompts=3)
+    assert build_dataset(spec)["problem"] == ["s0", "s1", "s2", "s3"]
+    assert eval_rows(spec)["problem"] == ["s4", "s5"]  # never its training rows
+    saved_dict = tmp_path / "dict"
+    datasets.DatasetDict({"train": rows("t", 3), "test": rows("x", 2)}).save_to_disk(str(saved_dict))
+    assert load_rows(str(saved_dict))["problem"] == ["t0", "t1", "t2"]
+    assert load_rows(str(saved_dict), split="test")["problem"] == ["x0", "x1"]
+    assert data.load_benchmark(str(saved_dict))["problem"] == ["x0", "x1"]
+    with pytest.raises(data.MissingSplit, match=r"dict: the local dataset folder, split 'validation' does not load "
+                                                r".*\['test', 'train'\]"):
+        load_rows(str(saved_dict), split="validation")
+
+
+@pytest.mark.filterwarnings("ignore:.*answer-free")
+def test_eval_rows_of_a_folder_with_only_a_train_split_are_its_rows_after_the_training_rows(tmp_path):
+    """A local data set with only 'train' (Parquet files, or a saved DatasetDict) is held out as the same rows in
+    one .parquet file are: the rows after the first num_prompts; none left is an error that counts the rows."""
+    import datasets
+
+    records = [{"problem": f"p{i}", "answer": str(i)} for i in range(12)]
+    folder = tmp_path / "parquet"
+    folder.mkdir()
+    pd.DataFrame(records).to_parquet(folder / "train.parquet")
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(str(saved))
+    file = tmp_path / "rows.parquet"
+    pd.DataFrame(records).to_parquet(file)
+    for source in (folder, saved, file):
+        spec = RunSpec(data=str(source), num_prompts=8, prompts_per_step=4, eval_num_prompts=3)
+        assert build_dataset(spec)["problem"] == [f"p{i}" for i in range(8)], source
+        assert eval_rows(spec)["problem"] == ["p8", "p9", "p10"], source
+        with pytest.raises(data.DataError, match=r"no rows left for evaluation after the first 64 training rows: it "
+                                                 r"has 12 rows, all of them within the first 64 \(num_prompts\)"):
+            eval_rows(spec.model_copy(update={"num_prompts": 64}))
+
+
+@pytest.mark.filterwarnings("ignore:.*answer-free")
+def test_float32_answers_in_parquet_are_the_decimals_they_print_as(tmp_path):
+    """A float32 0.1 read from Parquet is widened to 0.10000000149011612 by Python: the gold answer is '0.1', as
+    the leak guard and the reward compare it, whether the column is float32, float16 or a float32 struct field."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "f32.parquet"
+    pq.write_table(pa.table({
+        "problem": ["a", "b", "c", "d"],
+        "answer": pa.array([0.1, 2.5, 3.0, 1e-7], pa.float32()),
+        "difficulty": pa.array([1, 2, 3, 4], pa.float32()),
+        "half": pa.array(np.array([0.1, 0.2, 0.3, 0.4], dtype=np.float16)),
+    }), path)
+    rows = load_rows(str(path))
+    assert rows["answer"] == ["0.1", "2.5", "3", "1e-07"]
+    assert rows["difficulty"] == [1, 2, 3, 4]
+    assert [r["half"] for r in data.read_records(str(path), "train")[0]] == [0.1, 0.2, 0.3, 0.4]
+    nested = tmp_path / "verl.parquet"
+    gt = pa.array([{"ground_truth": 0.1}], pa.struct([("ground_truth", pa.float32())]))
+    pq.write_table(pa.table({"problem": ["a"], "reward_model": gt}), nested)
+    assert load_rows(str(nested))["answer"] == ["0.1"]
+    for missing in (None, float("nan")):  # still a row without an answer
+        pq.write_table(pa.table({"problem": ["a", "b"], "answer": pa.array([0.1, missing], pa.float32())}), path)
+        with pytest.raises(data.DataError, match=r"row 1 has no 'answer'"):
+            load_rows(str(path))
+
+
 def test_gsm8k_answers_split_into_gold_answer_and_solution(tmp_path):
     """GSM8K's answer cell is the rationale (with <<...>> calculator notes) and then '#### answer': the gold answer
     is what follows ####, the rationale becomes the solution the hints are written from."""
@@ -420,7 +498,8 @@ def test_verl_rows_keep_answer_solution_and_index_under_their_nested_columns(tmp
 
 def test_a_benchmark_data_set_is_read_from_its_test_split(tmp_path):
     """A benchmark folder or HF name is read from 'test', else 'validation', else 'train' (MATH-500 has only 'test',
-    some AIME sets only 'train'); a run's held-out rows never come from 'train'."""
+    some AIME sets only 'train'); a run's held-out rows come from its training split only where the source has no
+    other, and then only its rows after the training rows."""
     def folder(name, **splits):
         d = tmp_path / name
         d.mkdir()
@@ -433,7 +512,8 @@ def test_a_benchmark_data_set_is_read_from_its_test_split(tmp_path):
     assert data.load_benchmark(str(both))[0]["answer"] == "2"
     assert data.load_benchmark(str(only_train))[0]["answer"] == "3"
     spec = RunSpec(data=str(only_train), num_prompts=1, prompts_per_step=1, eval_num_prompts=1)
-    with pytest.raises(data.DataError, match=r"no 'test' or 'validation' split for evaluation"):
+    with pytest.raises(data.DataError, match=r"no rows left for evaluation after the first 1 training rows: it has "
+                                             r"1 row, all of them within the first 1 \(num_prompts\)"):
         eval_rows(spec)
     assert eval_rows(spec.model_copy(update={"data": str(both)}))[0]["answer"] == "2"
     file = both / "test.jsonl"  # a file is read as it is
