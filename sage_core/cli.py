@@ -340,6 +340,30 @@ def check_eval_output(path: str | None) -> None:
         raise SpecError(f"--output {path}: its folder cannot be created ({e.strerror})") from None
 
 
+HELDOUT_FIELDS = ("data", "data_split", "num_prompts", "seed", "difficulty")  # what a run's held-out set is cut by
+
+
+def _as_trained(spec, args: argparse.Namespace):
+    """A model a run here trained (its folder, final/ or a checkpoint-N/: the spec.json beside it): its prompts are
+    built for the model it was trained from (the system turn, as the sage-eval flow does), and 'heldout' /
+    'synthetic' are cut as its run cut them (its data, split, training rows and seed), unless --set or --spec give
+    those fields."""
+    from .spec import recorded_beside
+
+    recorded = recorded_beside(args.model) or {}
+    given = set(parse_sets(args.set)) | (set(load_spec_file(args.spec)) if args.spec else set())
+    if (trained_from := recorded.get("model")) and trained_from != spec.model:
+        print(f"sage eval: {args.model} was trained from {trained_from} (its run's spec.json): prompts are built "
+              f"for it, not for the spec's model {spec.model}", file=sys.stderr)
+        spec = spec.model_copy(update={"model": trained_from})
+    update = {f: recorded[f] for f in HELDOUT_FIELDS if f in recorded and f not in given and recorded[f] != getattr(
+        spec, f)}
+    if update and set(parse_benchmarks(args.benchmark).values()) & {"heldout", "synthetic"}:
+        print(f"sage eval: held-out rows as {args.model}'s run cut them (its spec.json): "
+              + ", ".join(f"{f}={v!r}" for f, v in update.items()), file=sys.stderr)
+    return spec.model_copy(update=update) if update else spec
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     benchmarks = parse_benchmarks(args.benchmark)
     check_eval_output(args.output)
@@ -362,6 +386,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if path not in ("synthetic", "heldout") and not Path(path.rsplit(":", 1)[0]).exists() and not re.fullmatch(
                 r"[\w.-]+/[\w.-]+(:[\w.-]+)?", path):
             raise SpecError(f"--benchmark {name}={path}: no such file (and not an HF dataset name)")
+    spec = _as_trained(spec, args)
     if args.output:  # the table written over a data file it was scored on would lose that file
         out = Path(args.output).expanduser().resolve()
         inputs = {f"--benchmark {name}'s data file": p for name, p in benchmarks.items()
@@ -371,15 +396,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         for what, p in inputs.items():
             if Path(p).expanduser().resolve() == out:
                 raise SpecError(f"--output {args.output}: is {what}; write the table elsewhere")
-    from .evaluate import evaluate
-    from .spec import recorded_beside
-
-    # a run's final/ or checkpoint-N/: the system turn of the model it was trained from (as the sage-eval flow)
-    if (trained_from := (recorded_beside(args.model) or {}).get("model")) and trained_from != spec.model:
-        print(f"sage eval: {args.model} was trained from {trained_from} (its run's spec.json): prompts are built "
-              f"for it, not for the spec's model {spec.model}", file=sys.stderr)
-        spec = spec.model_copy(update={"model": trained_from})
     from .data import benchmark_rows
+    from .evaluate import evaluate
 
     rows = {name: benchmark_rows(spec, path) for name, path in benchmarks.items()}
 

@@ -739,6 +739,35 @@ def test_a_stopped_launch_ends_its_mlflow_run_killed(capsys, tmp_path, monkeypat
     assert run.info.status == status and run.info.end_time is not None
 
 
+def test_eval_of_a_runs_model_on_heldout_takes_the_runs_heldout_rows(capsys, tmp_path, tiny_model_dir):
+    """`--benchmark h=heldout` on a run's model scored the held-out rows of the command line's spec (the default
+    synthetic set, 8 prompts), not those of the run's data (a 6-row file trained on its first 4: 2 rows left);
+    fields given with --set still win."""
+    import pandas as pd
+
+    from sage_core.data import synthetic_rows
+    from sage_core.presets import preset
+    from sage_core.train import train
+
+    data = tmp_path / "six.jsonl"
+    data.write_text("".join(json.dumps({k: r[k] for k in ("problem", "solution", "answer", "prompt_id")}) + "\n"
+                            for r in synthetic_rows(6, seed=5)))
+    spec = preset("tiny-cpu", method="grpo", data=str(data), num_prompts=4, prompts_per_step=2, num_generations=4,
+                  max_steps=1)
+    train(spec, tmp_path / "run")
+    for model in (tmp_path / "run", tmp_path / "run" / "final"):
+        out = tmp_path / "t.parquet"
+        rc, _, err = run_cli(capsys, "eval", "--model", str(model), "--benchmark", "h=heldout", "--k", "1",
+                             "--num-prompts", "8", "--output", str(out))
+        assert rc == 0, err
+        assert "held-out rows as" in err and f"data={str(data)!r}" in err and "num_prompts=4" in err
+        assert pd.read_parquet(out)["n_prompts"].tolist() == [2]  # rows 5 and 6 of the file
+    rc, _, err = run_cli(capsys, "eval", "--model", str(tmp_path / "run" / "final"), "--benchmark", "h=heldout",
+                         "--k", "1", "--set", "num_prompts=3", "--output", str(out))
+    assert rc == 0, err
+    assert pd.read_parquet(out)["n_prompts"].tolist() == [3]  # the file's rows after its first 3
+
+
 def test_eval_of_a_runs_folder_scores_each_checkpoint_as_a_curve(capsys, tmp_path, tiny_model_dir):
     """`sage eval --model RUN` (a run's folder, its checkpoints kept with keep_checkpoints=None): one row per
     checkpoint and benchmark, with its step and path, each the scores of that checkpoint evaluated alone; a run's
