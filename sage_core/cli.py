@@ -467,6 +467,11 @@ def cmd_hints(args: argparse.Namespace) -> int:
         raise SpecError(f"--levels {args.levels!r}: a comma-separated list of hint levels 1, 2, 3")
     out = Path(args.out)
     partial = out.with_name(out.stem + ".partial.jsonl")
+    sources = {Path(p).expanduser().resolve(): what for what, p in (
+        ("the training data (data=)", spec.data), ("the eval data (eval_data=)", spec.eval_data)) if p}
+    for f in (out, partial):  # written over (--force, or chunk by chunk): never a data file the spec reads
+        if what := sources.get(f.expanduser().resolve()):
+            raise SpecError(f"--out {out}: {f} is {what}, which the hints would be written over; write them elsewhere")
     if out.exists() and not args.force:
         raise SpecError(f"--out {out}: exists; give another path, or --force to write it again")
     if out.suffix.lower() != ".jsonl":

@@ -619,6 +619,27 @@ def test_sage_hints_writes_a_teachers_hints_file_that_a_stopped_run_resumes(monk
     assert "exists; give another path, or --force" in capsys.readouterr().err
 
 
+def test_sage_hints_never_writes_over_the_data_files_of_its_spec(monkeypatch, tmp_path, capsys):
+    """`--out` naming the training data file (or the eval data file, or one whose partial file is one of them)
+    with --force replaced the data rows by hint rows; it is refused before the teacher is asked, files unchanged."""
+    from sage_core import cli
+    from sage_core.data import synthetic_rows
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    data, evald = tmp_path / "train.jsonl", tmp_path / "ev.partial.jsonl"
+    for f in (data, evald):
+        f.write_text("".join(json.dumps({k: r[k] for k in ("problem", "solution", "answer")}) + "\n"
+                             for r in synthetic_rows(4, seed=1)))
+    before = {f: f.read_bytes() for f in (data, evald)}
+    sets = ["--set", f"data={data}", "--set", "num_prompts=4", "--set", "prompts_per_step=4",
+            "--set", f"eval_data={evald}"]
+    for out, what in ((data, f"{data} is the training data (data=)"), (tmp_path / "ev.jsonl",
+                                                                       f"{evald} is the eval data (eval_data=)")):
+        assert cli.main(["hints", *sets, "--teacher", "http://127.0.0.1:9/v1", "--out", str(out), "--force"]) == 2
+        assert what in capsys.readouterr().err
+    assert {f: f.read_bytes() for f in before} == before
+
+
 def test_sage_hints_resumes_only_the_hints_written_for_the_same_problems(monkeypatch, tmp_path, capsys):
     """A FILE.partial.jsonl left by a run on easy problems has the same prompt ids as the hard problems of that seed:
     `sage hints` for the hard ones keeps only the hints whose problem_sha is a hard problem's, asks again for the
