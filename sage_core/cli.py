@@ -617,8 +617,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from . import launch as L
 
     spec = build_spec(args.preset, args.spec, args.set)
+    # a server URL given here (--set, not a --spec file an earlier launch wrote) is where this launch's server listens
+    server_url = spec.vllm_server_base_url if "vllm_server_base_url" in parse_sets(args.set) else None
     kw = {"gpus": _parse_gpus(args.gpus), "config": args.config, "vllm_mode": args.vllm_mode,
-          "server_gpus": args.server_gpus, "port": args.port, "server_gpu_mem": args.server_gpu_mem}
+          "server_gpus": args.server_gpus, "port": args.port, "server_gpu_mem": args.server_gpu_mem,
+          "server_url": server_url}
     try:
         out = Path(args.output_dir).resolve() if args.output_dir else None
         p = L.plan(spec, out or Path.cwd(), **kw)  # layout errors before any MLflow run is opened
@@ -725,7 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accelerate config (default single_gpu for 1 process, zero3 otherwise)")
     p.add_argument("--vllm-mode", choices=["colocate", "server"], help="override the spec's vllm_mode")
     p.add_argument("--server-gpus", type=int, default=1, help="GPUs for vllm serve (tensor parallel), server mode")
-    p.add_argument("--port", type=int, default=8000, help="vllm serve port, server mode")
+    p.add_argument("--port", type=int, help="vllm serve port, server mode (default: the port of a --set "
+                   "vllm_server_base_url, else 8000)")
     p.add_argument("--server-gpu-mem", type=float, default=0.9, help="vllm serve --gpu-memory-utilization")
     p.add_argument("--mlflow", action="store_true", help="open an MLflow run here; the ranks log into it")
     p.add_argument("--experiment", help="MLflow experiment name (with --mlflow)")

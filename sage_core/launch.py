@@ -17,6 +17,7 @@ the Prefect flows call it for the GPU presets.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +50,7 @@ TRL_VLLM_SERVER_FLAGS: tuple[str, ...] = (
     "--logprobs-mode", "processed_logprobs",
     "--max-logprobs", "-1",
 )
+DEFAULT_SERVER_PORT = 8000  # `vllm serve --port` when neither --port nor the launch's URL gives one
 VLLM_GROUP_PORT = 51216  # TRL's default `vllm_group_port` (NCCL weight transfer); must be free on the host
 RESULT_FILE = "train_result.json"  # written by `sage train` (sage_core.cli) in the output dir
 
@@ -292,18 +295,70 @@ class LaunchPlan:
         self.spec_path.write_text(self.spec.model_dump_json(indent=2))
 
 
+def server_address(server_url: str | None, port: int | None = None) -> tuple[str, str, int]:
+    """(URL the trainers use, host `vllm serve` binds, its port) for the server a launch starts.
+
+    No `server_url`: `http://127.0.0.1:<port>` (8000 when `port` is None), bound to loopback (the trainers run on
+    this node). A URL given for this launch (`sage launch --set vllm_server_base_url=http://host:8000`, for ranks on
+    other nodes) is kept, and the server listens where it points: on the URL's port, bound to 0.0.0.0 (every
+    interface; `::` for an IPv6 address) unless its host is a loopback one (then that address, 127.0.0.1 for
+    localhost). ValueError when the URL is not `http(s)://host:port`, or its port is not `port`."""
+    if server_url is None:
+        port = DEFAULT_SERVER_PORT if port is None else port
+        return f"http://127.0.0.1:{port}", "127.0.0.1", port
+    shape = (f"vllm_server_base_url {server_url!r}: give the server's address as http://HOST:PORT "
+             "(e.g. http://node0:8000)")
+    try:
+        u = urllib.parse.urlsplit(server_url)
+        url_port = u.port
+    except ValueError as e:  # a port that is no number, or out of range
+        raise ValueError(f"{shape}; {e}") from None
+    if u.scheme not in ("http", "https") or not u.hostname or url_port is None:
+        raise ValueError(shape)
+    if u.path not in ("", "/") or u.query or u.fragment or u.username is not None or u.password is not None:
+        raise ValueError(f"{shape}, with no path, query or user (TRL adds its own paths to it)")
+    host = u.hostname
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None and ip.is_unspecified:
+        raise ValueError(f"{shape}: {host} is an address to listen on, not one the trainers can reach; give this "
+                         "node's name or IP")
+    if port is not None and port != url_port:
+        raise ValueError(f"--port {port} and vllm_server_base_url {server_url!r} (port {url_port}) disagree: the "
+                         f"server listens on one port; drop --port or give the URL port {port}")
+    if host.lower() == "localhost":
+        bind = "127.0.0.1"
+    elif ip is not None and ip.is_loopback:
+        bind = host
+    else:
+        bind = "::" if ip is not None and ip.version == 6 else "0.0.0.0"
+    return server_url, bind, url_port
+
+
 def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId] | None = None,
-         config: str | None = None, vllm_mode: str | None = None, server_gpus: int = 1, port: int = 8000,
+         config: str | None = None, vllm_mode: str | None = None, server_gpus: int = 1, port: int | None = None,
          server_gpu_mem: float = 0.9, main_process_port: int | None = None,
-         env: Mapping[str, str] | None = None, mlflow_run_id: str | None = None) -> LaunchPlan:
+         env: Mapping[str, str] | None = None, mlflow_run_id: str | None = None,
+         server_url: str | None = None) -> LaunchPlan:
     """Build the commands without running anything. `gpus` defaults to the visible GPUs. With `mlflow_run_id`
     the ranks log into that MLflow run (SAGE_MLFLOW_RUN_ID, read by sage_core.tracking.callback_from_env). With
     `$SAGE_TRAIN_VENV` set, `accelerate` and `vllm` are that venv's scripts and both run with its bin first on
-    PATH (FileNotFoundError, naming the path, when it lacks one)."""
+    PATH (FileNotFoundError, naming the path, when it lacks one).
+
+    Server mode: the trainers use the server this launch starts, whatever URL the spec carries (an earlier
+    launch's): `http://127.0.0.1:<port>` (port 8000 by default), unless `server_url` gives the address for this
+    launch (the user's own `--set vllm_server_base_url`): then that URL is kept and the server listens there
+    (`server_address`; ValueError when it is no http(s)://host:port or contradicts `port`)."""
     ids = list(gpus) if gpus is not None else visible_gpus()
     layout = plan_layout(spec, len(ids), vllm_mode=vllm_mode, server_gpus=server_gpus, gpu_ids=ids)
     out = Path(output_dir).resolve()
-    server_url = f"http://127.0.0.1:{port}" if layout.mode == "server" else None
+    bind_host, bind_port = "127.0.0.1", DEFAULT_SERVER_PORT
+    if layout.mode == "server":
+        server_url, bind_host, bind_port = server_address(server_url, port)
+    else:
+        server_url = None  # no server: the URL is not used, nor checked
     updates: dict[str, object] = {}
     if spec.use_vllm:
         updates["vllm_mode"] = layout.mode
@@ -321,9 +376,9 @@ def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId] 
         train_env.update(SAGE_MLFLOW_RUN_ID=mlflow_run_id, SAGE_OUTPUT_DIR=str(out))
     server_cmd = server_env = None
     if layout.mode == "server":
-        # bound to loopback: launch() runs the server and the trainers on the same node
-        server_cmd = vllm_server_command(served_model(spec), tp=layout.server_tp, port=port, gpu_mem=server_gpu_mem,
-                                         host="127.0.0.1", max_model_len=_max_model_len(spec))
+        # loopback unless this launch's URL names another host (ranks on other nodes reach it there)
+        server_cmd = vllm_server_command(served_model(spec), tp=layout.server_tp, port=bind_port,
+                                         gpu_mem=server_gpu_mem, host=bind_host, max_model_len=_max_model_len(spec))
         server_env = vllm_server_env(layout.server_gpus, base)
     return LaunchPlan(layout=layout, spec=run_spec, spec_path=spec_path, output_dir=out, train_cmd=train_cmd,
                       train_env=train_env, server_cmd=server_cmd, server_env=server_env,
@@ -428,18 +483,20 @@ def _stop(proc: subprocess.Popen | None, what: str, log: Callable[[str], None], 
 
 
 def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId] | None = None,
-           config: str | None = None, vllm_mode: str | None = None, server_gpus: int = 1, port: int = 8000,
+           config: str | None = None, vllm_mode: str | None = None, server_gpus: int = 1, port: int | None = None,
            server_gpu_mem: float = 0.9, main_process_port: int | None = None,
            log: Callable[[str], None] = print, server_timeout: float = 900.0, check: bool = True,
-           env: Mapping[str, str] | None = None, mlflow_run_id: str | None = None) -> LaunchResult:
+           env: Mapping[str, str] | None = None, mlflow_run_id: str | None = None,
+           server_url: str | None = None) -> LaunchResult:
     """Run `spec` on the GPUs: start `vllm serve` first in server mode (and wait for /health), then
     `accelerate launch ... -m sage_core.cli train`. Every output line goes to `log` (the flows pass their Prefect
     logger) and to `<output_dir>/launch.log` (the server's to `vllm_server.log`). Returns the exit code and the
     TrainResult dict the ranks wrote; with `check=True` a non-zero exit raises RuntimeError with the log tail.
-    `mlflow_run_id`: an MLflow run the caller opened (and closes); the ranks log metrics and artifacts into it."""
+    `mlflow_run_id`: an MLflow run the caller opened (and closes); the ranks log metrics and artifacts into it.
+    `port`, `server_url`: where the vLLM server listens, as for `plan`."""
     p = plan(spec, output_dir, gpus=gpus, config=config, vllm_mode=vllm_mode, server_gpus=server_gpus, port=port,
              server_gpu_mem=server_gpu_mem, main_process_port=main_process_port, env=env,
-             mlflow_run_id=mlflow_run_id)
+             mlflow_run_id=mlflow_run_id, server_url=server_url)
     p.write_spec()
     (p.output_dir / RESULT_FILE).unlink(missing_ok=True)
     log(f"[sage.launch] layout {p.layout.describe()}")
@@ -458,7 +515,7 @@ def launch(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId
                                  daemon=True)
             t.start()
             threads.append(t)
-            wait_for_server(p.server_url or f"http://127.0.0.1:{port}", server_timeout, server)
+            wait_for_server(p.server_url, server_timeout, server)
             log(f"[sage.launch] vllm serve healthy at {p.server_url}")
         log(f"[sage.launch] running: {' '.join(p.train_cmd)}")
         fh = files.enter_context(open(log_path, "a"))  # noqa: SIM115

@@ -192,6 +192,73 @@ def test_plan_serves_its_own_server_the_models_folder_and_refuses_what_vllm_cann
             L.plan(tiny.model_copy(update={"model": model}), tmp_path, gpus=[0, 1])
 
 
+def _dry_run(tmp_path, *argv):
+    from sage_core import cli
+
+    out = tmp_path / "run"
+    rc = cli.main(["launch", "--preset", "qwen2.5-7b", "--set", "prompts_per_step=112", "--gpus", "8",
+                   "--vllm-mode", "server", "--dry-run", "--output-dir", str(out), *argv])
+    return rc, out / "launch_spec.json"
+
+
+def _flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def test_a_server_url_given_to_sage_launch_is_kept_and_the_server_listens_there(tmp_path, capsys):
+    """docs/gpu.md, Several nodes: `sage launch --set vllm_server_base_url=http://<host>:8000 --dry-run` writes the
+    spec every node's ranks read; the URL must stay in it (not become this node's loopback), and `vllm serve` must
+    listen on every interface at the URL's port, where the other nodes reach it."""
+    rc, spec_file = _dry_run(tmp_path, "--set", "vllm_server_base_url=http://node0:8123")
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert json.loads(spec_file.read_text())["vllm_server_base_url"] == "http://node0:8123"
+    assert "--host 0.0.0.0 --port 8123" in printed
+    rc, spec_file = _dry_run(tmp_path, "--set", "vllm_server_base_url=http://10.0.0.5:8001", "--port", "8001")
+    assert rc == 0 and json.loads(spec_file.read_text())["vllm_server_base_url"] == "http://10.0.0.5:8001"
+    assert "--host 0.0.0.0 --port 8001" in capsys.readouterr().out
+    # from Python: plan(server_url=...) the same; a loopback URL stays on loopback, on its own port
+    spec = preset("qwen2.5-7b", prompts_per_step=112)
+    p = L.plan(spec, tmp_path, gpus=list(range(8)), vllm_mode="server", server_url="http://gpu-a.cluster:9000")
+    assert p.server_url == p.spec.vllm_server_base_url == "http://gpu-a.cluster:9000"
+    assert (_flag(p.server_cmd, "--host"), _flag(p.server_cmd, "--port")) == ("0.0.0.0", "9000")
+    p = L.plan(spec, tmp_path, gpus=list(range(8)), vllm_mode="server", server_url="http://localhost:8002")
+    assert p.spec.vllm_server_base_url == "http://localhost:8002"
+    assert (_flag(p.server_cmd, "--host"), _flag(p.server_cmd, "--port")) == ("127.0.0.1", "8002")
+
+
+def test_a_spec_files_old_server_url_is_still_replaced_by_this_launchs_server(tmp_path, capsys):
+    """A URL that comes in a --spec file (an earlier launch's launch_spec.json) is not this launch's: the trainers
+    use the server this launch starts, on loopback at --port (8000 by default), as before."""
+    old = tmp_path / "old_spec.json"
+    old.write_text(json.dumps({"prompts_per_step": 112, "vllm_server_base_url": "http://node0:8123"}))
+    rc, spec_file = _dry_run(tmp_path, "--spec", str(old))
+    assert rc == 0 and json.loads(spec_file.read_text())["vllm_server_base_url"] == "http://127.0.0.1:8000"
+    assert "--host 127.0.0.1 --port 8000" in capsys.readouterr().out
+    rc, spec_file = _dry_run(tmp_path, "--spec", str(old), "--port", "8124")
+    assert rc == 0 and json.loads(spec_file.read_text())["vllm_server_base_url"] == "http://127.0.0.1:8124"
+    # the URL given to this launch wins over the spec file's
+    rc, spec_file = _dry_run(tmp_path, "--spec", str(old), "--set", "vllm_server_base_url=http://node1:8200")
+    assert rc == 0 and json.loads(spec_file.read_text())["vllm_server_base_url"] == "http://node1:8200"
+
+
+def test_a_server_url_that_contradicts_the_port_or_is_no_address_is_refused(tmp_path, capsys):
+    """The server listens on one port: a --port other than the URL's is refused, naming both; so is a URL that is
+    no http(s)://host:port (the server could not listen where it points). The CLI exits 2 with the message."""
+    rc, _ = _dry_run(tmp_path, "--set", "vllm_server_base_url=http://node0:8123", "--port", "8000")
+    err = capsys.readouterr().err
+    assert rc == 2 and "--port 8000" in err and "http://node0:8123" in err and "8123" in err
+    spec = preset("qwen2.5-7b", prompts_per_step=112)
+    for url in ("node0:8000", "http://node0", "ftp://node0:8000", "http://node0:8000/v1", "http://node0:port",
+                "http://0.0.0.0:8000"):
+        rc, _ = _dry_run(tmp_path, "--set", f"vllm_server_base_url={url}")
+        assert rc == 2 and url in capsys.readouterr().err, url
+        with pytest.raises(ValueError, match="http://HOST:PORT"):
+            L.plan(spec, tmp_path, gpus=list(range(8)), vllm_mode="server", server_url=url)
+    with pytest.raises(ValueError, match=r"--port 8000 .*http://node0:8123"):
+        L.plan(spec, tmp_path, gpus=list(range(8)), vllm_mode="server", port=8000, server_url="http://node0:8123")
+
+
 def test_layouts_are_checked_as_the_ranks_check_them():
     """Launch refused only rows that do not split; the ranks also need whole groups and micro-batches that split
     (8 GPUs x 4 prompts: 1 micro-batch per rank, updates_per_generation 2: every rank failed at start)."""
