@@ -751,6 +751,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"sage {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C: what was saved stays (a run resumes from its last checkpoint), no traceback
+        print(f"sage {args.command}: stopped (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 
 
 def _says_what_is_missing(e: ImportError | FileNotFoundError) -> bool:
