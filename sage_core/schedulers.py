@@ -14,7 +14,8 @@ grpo:       never hints.
 sage:       on an all-zero group, try levels 1, 2, 3 in turn, re-rolling only that group, and stop at the first
             level with a success (all-one groups are not hinted: hints only make them easier).
 sage-light: one rollout per step at the prompt's tracked level; after it, raise the level when the accuracy is
-            <= light_min, lower it when > light_max (levels stay in 0..3).
+            <= light_min, lower it when > light_max (levels stay in 0..3). Where the tracked level's hint fails
+            (leaked, missing) the trainer rolls at the highest lower level that has one: that level is observed.
 """
 
 from __future__ import annotations

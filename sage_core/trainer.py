@@ -291,12 +291,19 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         # 1-2. first rollout of every group at the scheduler's level, scored
         levels = {pid: self.scheduler.level_before(pid) for pid, _ in groups}
         hints = self._get_hints([(rows[idx[0]], lvl) for pid, idx in groups if (lvl := levels[pid]) > 0])
+        while self.scheduler.uses_hints:  # a level whose hint failed (leaked, missing): the next usable one down
+            down = [(pid, idx) for pid, idx in groups if levels[pid] > 1 and hints[pid, levels[pid]].text is None]
+            if sum(gather_object([len(down)])) == 0:  # every process asks as many times (hint passes are collective)
+                break
+            for pid, _ in down:
+                levels[pid] -= 1
+            hints.update(self._get_hints([(rows[idx[0]], levels[pid]) for pid, idx in down]))
         first_prompts, first_hint = [], {}
         for pid, idx in groups:
             res = hints.get((pid, levels[pid]))
             text = res.text if res is not None else None
             if levels[pid] > 0 and text is None:
-                levels[pid] = 0  # no usable hint: roll without one
+                levels[pid] = 0  # no usable hint at any level up to the tracked one: roll without one
             first_hint[pid] = text
             first_prompts += [self._prompt(rows[i], text) for i in idx]
         out = super()._generate(first_prompts)

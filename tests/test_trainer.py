@@ -190,6 +190,37 @@ def test_sage_light_raises_levels_and_resumes(tiny_model_dir, tmp_path):
     assert res3.global_step == 3 and sorted(read_tracker(res3.tracker_dir).step.unique()) == [1, 2, 3]
 
 
+def test_sage_light_rolls_a_failed_levels_prompt_at_the_next_usable_level_down(tiny_model_dir, tmp_path):
+    """The tracked level's hint failed (here: missing from the teacher's file at level 2): the group was rolled
+    bare and the level rule applied to that bare rollout, so the prompt fell back to level 1 and cycled. Now it is
+    rolled with the highest lower level's hint (level 1), the failure still recorded, and its level follows the
+    rule from there: it asks for level 2 again at its next visit."""
+    spec = small("sage-light", difficulty="hard", num_prompts=4, max_steps=4, light_min=0.9, light_max=0.95,
+                 hint_source="teacher", teacher=str(tmp_path / "teacher.jsonl"))
+    rows = list(build_dataset(spec))
+    from sage_core.data import reference_hint
+    from sage_core.hints import problem_sha
+
+    write_hints(tmp_path / "teacher.jsonl", [(r["prompt_id"], lvl, reference_hint(r, lvl)) for r in rows for lvl in (1, 3)],
+                {r["prompt_id"]: problem_sha(r["problem"]) for r in rows})
+    res = train(spec, tmp_path / "run")
+    df = read_tracker(res.tracker_dir).set_index(["step", "prompt_id"])
+    checked = 0
+    for pid in {p for _, p in df.index}:
+        for step in range(1, 4):
+            r, nxt = df.loc[(step, pid)], df.loc[(step + 1, pid)]
+            asked = (min(r.level + 1, 3) if r.pass_rate <= 0.9 else
+                     max(r.level - 1, 0) if r.pass_rate > 0.95 else r.level)
+            if asked == 2:  # no level-2 hint: rolled with level 1's, the failure recorded
+                assert nxt.level == 1 and nxt.hint_failed and nxt.hint, (step + 1, pid)
+                checked += 1
+            else:
+                assert nxt.level == asked
+    assert checked, "no prompt asked for level 2: this checks nothing"
+    failed = [h["sage/hint_failed"] for h in res.log_history if "sage/hint_failed" in h]
+    assert sum(failed) >= checked  # every failed level-2 request is still counted
+
+
 def test_resume_across_an_epoch_follows_the_straight_run(tiny_model_dir, tmp_path):
     """4 prompts, 4 per step: every step is an epoch. Stopped at step 1 and resumed to 2, SAGE-LIGHT rolls out the
     same prompts in the same order as a run straight to 2 (TRL's sampler would restart at epoch 0's order), with
