@@ -201,8 +201,8 @@ def test_sage_light_rolls_a_failed_levels_prompt_at_the_next_usable_level_down(t
     from sage_core.data import reference_hint
     from sage_core.hints import problem_sha
 
-    write_hints(tmp_path / "teacher.jsonl", [(r["prompt_id"], lvl, reference_hint(r, lvl)) for r in rows for lvl in (1, 3)],
-                {r["prompt_id"]: problem_sha(r["problem"]) for r in rows})
+    hints = [(r["prompt_id"], lvl, reference_hint(r, lvl)) for r in rows for lvl in (1, 3)]  # none at level 2
+    write_hints(tmp_path / "teacher.jsonl", hints, {r["prompt_id"]: problem_sha(r["problem"]) for r in rows})
     res = train(spec, tmp_path / "run")
     df = read_tracker(res.tracker_dir).set_index(["step", "prompt_id"])
     checked = 0
