@@ -121,6 +121,10 @@ class RunSpec(BaseModel):
         if self.hint_source == "teacher" and not self.teacher and self.method in ("sage", "sage-light",
                                                                                  "sage-light+ada-seq"):
             raise ValueError("hint_source='teacher' needs `teacher` (model path, endpoint URL or hints file)")
+        if self.data_split != "train" and (self.data == "synthetic" or Path(self.data).suffix.lower() in (
+                ".parquet", ".jsonl", ".json")):
+            raise ValueError(f"data_split={self.data_split!r} picks a split of a data set (a folder or an HF name); "
+                             f"data {self.data!r} has none (a file's rows are all read): drop data_split")
         rows = self.prompts_per_step * self.num_generations  # one step's rollouts (over all processes)
         micro = self.micro_batch_size or rows
         if rows % micro:

@@ -25,6 +25,16 @@ def test_the_bounds_keep_the_usual_values():
     assert (s.epsilon, s.beta, s.epsilon_high) == (0.0, 0.04, 0.0)
 
 
+@pytest.mark.parametrize("data", ["/d/train.jsonl", "/d/rows.parquet", "/d/rows.JSON", "synthetic"])
+def test_a_split_of_a_source_that_has_none_is_refused(data):
+    """data_split was silently ignored for a file (every row read) and the synthetic task: a user asking for its
+    'test' split trained on the file's first rows."""
+    with pytest.raises(ValidationError, match="data_split='test' picks a split of a data set.*drop data_split"):
+        RunSpec(data=data, data_split="test")
+    assert RunSpec(data=data).data_split == "train"
+    assert RunSpec(data="/d/folder", data_split="test").data_split == "test"  # a data set's folder has splits
+
+
 def test_a_folder_that_is_no_runs_is_refused_when_training_would_write_over_its_files(tmp_path):
     """TRL writes its model card README.md into the output dir, and train() a summary.json: a user's folder holding
     such files is refused (they were overwritten); other files, an empty folder or a new one are fine."""
