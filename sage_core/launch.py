@@ -303,6 +303,8 @@ def server_address(server_url: str | None, port: int | None = None) -> tuple[str
     other nodes) is kept, and the server listens where it points: on the URL's port, bound to 0.0.0.0 (every
     interface; `::` for an IPv6 address) unless its host is a loopback one (then that address, 127.0.0.1 for
     localhost). ValueError when the URL is not `http(s)://host:port`, or its port is not `port`."""
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"--port {port}: a TCP port is 1 to 65535")
     if server_url is None:
         port = DEFAULT_SERVER_PORT if port is None else port
         return f"http://127.0.0.1:{port}", "127.0.0.1", port

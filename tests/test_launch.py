@@ -257,6 +257,9 @@ def test_a_server_url_that_contradicts_the_port_or_is_no_address_is_refused(tmp_
             L.plan(spec, tmp_path, gpus=list(range(8)), vllm_mode="server", server_url=url)
     with pytest.raises(ValueError, match=r"--port 8000 .*http://node0:8123"):
         L.plan(spec, tmp_path, gpus=list(range(8)), vllm_mode="server", port=8000, server_url="http://node0:8123")
+    for port in ("99999", "0"):  # vllm serve failed on it after the launch began
+        rc, _ = _dry_run(tmp_path, "--vllm-mode", "server", "--port", port)
+        assert rc == 2 and f"--port {port}: a TCP port is 1 to 65535" in capsys.readouterr().err
 
 
 def test_layouts_are_checked_as_the_ranks_check_them():
