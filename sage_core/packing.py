@@ -48,3 +48,50 @@ def padded_area(prompt_lens, completion_lens, buckets: list[list[int]] | None = 
     p, c = np.asarray(prompt_lens), np.asarray(completion_lens)
     buckets = buckets if buckets is not None else [list(range(len(p)))]
     return int(sum(len(b) * (p[b].max() + c[b].max()) for b in buckets if b))
+
+
+def prompt_buckets(prompt_lens, completion_lens, groups, overhead: int = 256,
+                   share: bool = True) -> list[tuple[list[int], bool]]:
+    """Buckets of whole prompt groups (`groups[i]`: row i's group, rows of one group share one prompt), each with
+    whether its forward shares the prompt (sage_core.shared_prefix): that forward computes a group's prompt once
+    and each row's completion against it, U x (prompt - 1) + R x (completion + 1) token slots for U groups of R rows
+    plus two forwards' overhead, where a plain one computes R x (prompt + completion) plus one. A bucket takes the
+    cheaper of the two (the plain one where no prompt repeats or `share` is False); the split minimizes the sum
+    over contiguous runs of groups sorted by total length, longest first (exact DP, as length_buckets)."""
+    p, c = np.asarray(prompt_lens, dtype=np.int64), np.asarray(completion_lens, dtype=np.int64)
+    g = np.asarray(groups)
+    if p.shape != c.shape or p.shape != g.shape or p.ndim != 1:
+        raise ValueError(f"prompt_lens, completion_lens and groups must be 1-D of one length, got {p.shape}, "
+                         f"{c.shape} and {g.shape}")
+    if overhead < 0:
+        raise ValueError(f"overhead must be >= 0, got {overhead}")
+    if len(p) == 0:
+        return []
+    names, first, unit = np.unique(g, return_index=True, return_inverse=True)
+    if (p != p[first][unit]).any():
+        raise ValueError("rows of one group must have one prompt length")
+    n, up = len(names), p[first]
+    uc, rows = np.zeros(n, dtype=np.int64), np.bincount(unit, minlength=n)
+    np.maximum.at(uc, unit, c)
+    order = np.argsort(-(up + uc), kind="stable")
+    # cost of a bucket of sorted units i..j-1, for every j > i, plain and shared
+    best, cut, shared = np.full(n + 1, np.inf), np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1, dtype=bool)
+    best[0] = 0.0
+    sp, sc, sr = up[order], uc[order], rows[order]
+    for i in range(n):
+        wp, wc, r = np.maximum.accumulate(sp[i:]), np.maximum.accumulate(sc[i:]), np.cumsum(sr[i:])
+        plain = r * (wp + wc) + overhead
+        share_cost = np.arange(1, n - i + 1) * np.maximum(wp - 1, 0) + r * (wc + 1) + 2 * overhead
+        use = (share_cost < plain) & (r > np.arange(1, n - i + 1)) & (wp > 1) if share else np.zeros(n - i, bool)
+        cost = best[i] + np.where(use, share_cost, plain)
+        better = cost < best[i + 1:]
+        best[i + 1:][better] = cost[better]
+        cut[i + 1:][better] = i
+        shared[i + 1:][better] = use[better]
+    members = [np.flatnonzero(unit == u).tolist() for u in range(n)]
+    buckets, j = [], n
+    while j > 0:
+        i = int(cut[j])
+        buckets.append(([r for u in order[i:j] for r in members[u]], bool(shared[j])))
+        j = i
+    return buckets[::-1]

@@ -31,12 +31,12 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler
 
-from . import gate
+from . import gate, shared_prefix
 from .curation import Weighted
 from .data import PromptTooLong
 from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints, leaks
 from .memory import measured
-from .packing import length_buckets
+from .packing import prompt_buckets
 from .periodic_eval import NoHintEval
 from .prompts import LEVELS, hinted_problem
 from .reward import completion_text
@@ -70,6 +70,11 @@ class SageConfig(GRPOConfig):
     sage_skip_zero_advantage: bool = field(default=True, metadata={
         "help": "forward zero-advantage rows without a graph (no backward) when that is exact: beta 0, no entropy "
                 "bonus; needs sage_length_buckets (so not under ZeRO-3/FSDP)"})
+    sage_shared_prefix: bool = field(default=True, metadata={
+        "help": "in the loss's forward, compute each distinct prompt once for the rows that share it (a group's G "
+                "rows) and the rows' completions against its cached keys and values: the same log-probs and "
+                "gradients; needs sage_length_buckets, a full-attention cache and, for rows with gradients, no "
+                "gradient checkpointing (those rows then run whole)"})
     sage_bucket_overhead: int | None = field(default=None, metadata={
         "help": "a forward's fixed cost in token slots: a bucket is split off only when it saves more padding. None: "
                 "256 on CPU (measured), 2048 on CUDA (an estimate, not measured). With ZeRO-3/FSDP there are no "
@@ -147,6 +152,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         self._pool_pos = 0  # draws made from it (a resumed run starts from its checkpoint's, see restore_state)
         self._batch_ids: set[str] = set()  # the step's prompt ids on every process (methods that swap prompts)
         self._no_grad_rows: torch.Tensor | None = None  # rows of the current loss forward that carry no gradient
+        self._share_failed = False  # the model's cache cannot serve a shared prompt (sage_shared_prefix)
         self._ctx_limit: int | None | bool = False  # vLLM's context in tokens (None: unknown); False: not read yet
         self._init_no_hint_eval(eval_rows)
 
@@ -196,7 +202,9 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         """TRL's forward, on buckets of rows of similar length, each trimmed of the padding all its rows share
         (sage_core.packing), zero-advantage rows in buckets of their own run without a graph (see _compute_loss);
-        the log-probs and entropies come back in row order, in the same (B, C) shape."""
+        where rows share a prompt (a group's G rows), a bucket computes it once and each row's completion against its
+        cache (sage_core.shared_prefix) when that costs fewer token slots; the log-probs and entropies come back in
+        row order, in the same (B, C) shape."""
         # sharded parameters: bucket counts depend on each rank's rows, and a rank running one forward more than
         # another would wait forever in that forward's parameter all-gather; TRL's loop runs the same count
         plain = (not self.args.sage_length_buckets or compute_aux_loss or input_ids.size(0) < 2
@@ -212,27 +220,45 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         comp_w = (attention_mask[:, P:] * cols[:C]).amax(1)
         dead = self._no_grad_rows
         dead = dead.tolist() if dead is not None and len(dead) == input_ids.size(0) else [False] * input_ids.size(0)
-        buckets = []  # (rows, with_grad)
+        grad = torch.is_grad_enabled()
+        sharing = self.args.sage_shared_prefix and not self._share_failed and P > 1
+        share = {g: sharing and shared_prefix.usable(model, g) for g in {grad, False}}  # with gradients or without
+        buckets = []  # (rows, with_grad, shared prompt)
         for no_grad in (False, True):
             rows = [i for i, d in enumerate(dead) if d == no_grad]
-            for b in length_buckets(prompt_w[rows].tolist(), comp_w[rows].tolist(), self.args.sage_bucket_overhead):
+            if not rows:
+                continue
+            shares = share[grad and not no_grad]
+            groups = shared_prefix.prompt_groups(input_ids[rows, :P], attention_mask[rows, :P]) if shares else rows
+            for b, shared in prompt_buckets(prompt_w[rows].tolist(), comp_w[rows].tolist(), groups,
+                                            self.args.sage_bucket_overhead, shares):
                 b = [rows[i] for i in b]
                 step = batch_size or len(b)  # TRL's memory cap on rows per forward still holds
-                buckets += [(b[i:i + step], not no_grad) for i in range(0, len(b), step)]
-        if torch.is_grad_enabled() and not buckets[0][1]:
-            buckets[0] = (buckets[0][0], True)  # no row carries gradient: one bucket keeps the loss on the graph
+                buckets += [(b[i:i + step], not no_grad, shared) for i in range(0, len(b), step)]
+        if grad and not buckets[0][1]:  # no row carries gradient: one bucket keeps the loss on the graph
+            buckets[0] = (buckets[0][0], True, buckets[0][2] and share[grad])
         logps, entropies = [], []
-        for rows, with_grad in buckets:
+        for rows, with_grad, shared in buckets:
             idx = torch.tensor(rows, device=input_ids.device)
             pw, cw = int(prompt_w[idx].max()), max(int(comp_w[idx].max()), 1)
-            with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
-                lp, ent, _ = super()._get_per_token_logps_and_entropies(
-                    model, input_ids[idx, P - pw:P + cw], attention_mask[idx, P - pw:P + cw], cw, None,
-                    compute_entropy)
+            ids, mask = input_ids[idx, P - pw:P + cw], attention_mask[idx, P - pw:P + cw]
+            with torch.set_grad_enabled(with_grad and grad):
+                lp = None
+                if shared:
+                    try:
+                        lp, ent = shared_prefix.forward(model, ids, mask, cw, compute_entropy,
+                                                        self.accelerator.autocast)
+                    except shared_prefix.CacheUnsupported as e:
+                        log.warning("the loss's forward computes every row's prompt: the model's cache is %s, not "
+                                    "full-attention layers (sage_shared_prefix)", e)
+                        self._share_failed = True
+                if lp is None:
+                    lp, ent, _ = super()._get_per_token_logps_and_entropies(model, ids, mask, cw, None,
+                                                                            compute_entropy)
             logps.append(nn.functional.pad(lp, (0, C - cw)))
             if compute_entropy:
                 entropies.append(nn.functional.pad(ent, (0, C - cw)))
-        back = torch.argsort(torch.tensor([r for b, _ in buckets for r in b], device=input_ids.device))
+        back = torch.argsort(torch.tensor([r for b, _, _ in buckets for r in b], device=input_ids.device))
         return (torch.cat(logps)[back], torch.cat(entropies)[back] if compute_entropy else None, None)
 
     def _generate(self, prompts):

@@ -1,0 +1,91 @@
+"""The loss's forward with each prompt computed once: a group's G rows share their prompt, hinted or not.
+
+A row's log-probs are log pi(c_t | x, c_<t). Cut the row before the prompt's last token: the prefix x[:-1] runs once
+per distinct prompt and leaves its keys and values in a cache; the chunk [x[-1], c] runs once per row against the
+cache of its prompt (x[-1]'s output scores c_0, each c_t's scores c_t+1). Every token attends to the same keys and
+values at the same positions as in one forward of the whole row, so log-probs, entropies and gradients are the
+plain forward's, up to float rounding; gradients reach the prompt's tokens through the cache. A prompt then costs
+1/G of its tokens: SAGE's hinted prompts are long (the hint), so the update gains most where it trains most.
+
+Needs a cache of full-attention layers (`DynamicLayer`; sliding-window, recurrent and other caches make the forward
+the plain one) and, with gradients, no gradient checkpointing (it turns the cache off in training).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+try:
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+except ImportError:  # pragma: no cover - transformers without layered caches: no sharing
+    DynamicCache = DynamicLayer = None
+
+
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[int]:
+    """Each row's group: rows with the same prompt tokens (the same left-padded width and mask) share one."""
+    key = prompt_ids.masked_fill(prompt_mask == 0, -1)
+    return torch.unique(key, dim=0, return_inverse=True)[1].tolist()
+
+
+def usable(model: nn.Module, with_grad: bool) -> bool:
+    """Whether a forward may pass a cache: with gradients, gradient checkpointing turns it off (transformers'
+    GradientCheckpointingLayer drops the cache while training), and this forward needs it."""
+    if DynamicCache is None:
+        return False
+    return not (with_grad and model.training and any(getattr(m, "gradient_checkpointing", False) is True
+                                                     for m in model.modules()))
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """The forward's name for a cache: `cache` (transformers >= 5.24), `past_key_values` before; read from the first
+    module (the model itself, or the one a DDP or PEFT wrapper holds) whose forward takes either."""
+    for m in model.modules():
+        params = _params(m)
+        if "cache" in params or "past_key_values" in params:
+            return "cache" if "cache" in params else "past_key_values"
+    return "past_key_values"
+
+
+def _params(module: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+class CacheUnsupported(RuntimeError):
+    """The model's cache is not plain full attention (sliding windows, recurrent state, quantized, none)."""
+
+
+def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+            compute_entropy: bool, autocast) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) of the last `logits_to_keep` tokens of each row, as TRL's fused forward
+    gives them, with each distinct prompt (the tokens before) computed once. The model must carry TRL's fused LM
+    head (`fused_lm_head=True`). Raises CacheUnsupported, before any row is scored, when the model's cache is not
+    one of full-attention layers."""
+    C = logits_to_keep
+    P = input_ids.size(1) - C
+    if P < 2:
+        raise ValueError(f"a shared prompt needs at least 2 prompt columns, got {P}")
+    groups = torch.tensor(prompt_groups(input_ids[:, :P], attention_mask[:, :P]), device=input_ids.device)
+    first = torch.full((int(groups.max()) + 1,), input_ids.size(0), device=input_ids.device).scatter_reduce(
+        0, groups, torch.arange(input_ids.size(0), device=input_ids.device), reduce="amin")
+    name = _cache_kwarg(model)
+    with autocast():
+        pre = model(input_ids=input_ids[first, :P - 1], attention_mask=attention_mask[first, :P - 1], use_cache=True,
+                    logits_to_keep=1)
+    cache = getattr(pre, "cache", None) or getattr(pre, "past_key_values", None)
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        raise CacheUnsupported(f"{type(cache).__name__} with layers {sorted({type(x).__name__ for x in layers or []})}")
+    rows = DynamicCache(ddp_cache_data=[(layer.keys[groups], layer.values[groups]) for layer in layers])
+    chunk = input_ids[:, P - 1:]
+    labels = chunk.masked_fill(attention_mask[:, P - 1:] == 0, -100)
+    labels[:, 0] = -100  # the prompt's last token is input only
+    with autocast():
+        out = model(input_ids=chunk, attention_mask=attention_mask, labels=labels, fused_lm_head=True,
+                    **{name: rows})
+    return out.log_probs[:, -C:], (out.entropy[:, -C:] if compute_entropy else None)

@@ -1,0 +1,274 @@
+"""Shared prompts in the loss's forward: each distinct prompt computed once, the loss given the same tensors."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sage_core import shared_prefix
+from sage_core.packing import length_buckets, padded_area, prompt_buckets
+
+
+def _cost(p, c, g, buckets, overhead):
+    """Token slots and overhead of buckets as prompt_buckets prices them."""
+    total = 0
+    for rows, shared in buckets:
+        wp, wc = max(p[r] for r in rows), max(c[r] for r in rows)
+        if shared:
+            total += len({g[r] for r in rows}) * max(wp - 1, 0) + len(rows) * (wc + 1) + 2 * overhead
+        else:
+            total += len(rows) * (wp + wc) + overhead
+    return total
+
+
+groups_st = st.lists(st.tuples(st.integers(0, 60), st.lists(st.integers(0, 40), min_size=1, max_size=4)),
+                     min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups_st, st.integers(0, 300), st.booleans())
+def test_prompt_buckets_keep_groups_whole_and_beat_every_contiguous_split(units, overhead, share):
+    p, c, g = [], [], []
+    for u, (plen, comps) in enumerate(units):
+        p += [plen] * len(comps)
+        c += comps
+        g += [u] * len(comps)
+    buckets = prompt_buckets(p, c, g, overhead, share)
+    assert sorted(r for b, _ in buckets for r in b) == list(range(len(p)))
+    for rows, shared in buckets:  # a group lives in one bucket; a shared bucket holds a repeated prompt
+        assert all(set(np.flatnonzero(np.asarray(g) == g[r])) <= set(rows) for r in rows)
+        assert not shared or (share and len(rows) > len({g[r] for r in rows}) and max(p[r] for r in rows) > 1)
+    # exhaustive: every contiguous split of the groups sorted by length, each bucket at its cheaper layout
+    units_rows = [[r for r in range(len(p)) if g[r] == u] for u in range(len(units))]
+    order = sorted(range(len(units)), key=lambda u: -(units[u][0] + max(units[u][1])))
+
+    def best_layout(rows):
+        plain = _cost(p, c, g, [(rows, False)], overhead)
+        ok = share and len(rows) > len({g[r] for r in rows}) and max(p[r] for r in rows) > 1
+        return min(plain, _cost(p, c, g, [(rows, True)], overhead)) if ok else plain
+
+    best = min(
+        sum(best_layout([r for u in order[a:b] for r in units_rows[u]])
+            for a, b in zip((0, *cuts), (*cuts, len(order)), strict=True))
+        for k in range(len(order))
+        for cuts in itertools.combinations(range(1, len(order)), k)
+    )
+    assert _cost(p, c, g, buckets, overhead) == best
+
+
+def test_prompt_buckets_without_repeated_prompts_are_length_buckets():
+    p, c = [25] * 56 + [55] * 8, [18] * 56 + [38] * 8
+    plain = prompt_buckets(p, c, list(range(64)), overhead=256)
+    assert not any(shared for _, shared in plain)
+    assert padded_area(p, c, [b for b, _ in plain]) == padded_area(p, c, length_buckets(p, c, overhead=256))
+
+
+def test_prompt_buckets_share_a_groups_prompt_when_it_saves_slots():
+    # 7 bare groups of 8 rows (prompt 31) and one hinted group (prompt 54, long completions)
+    p, c = [31] * 56 + [54] * 8, [18] * 56 + [38] * 8
+    g = [i // 8 for i in range(64)]
+    buckets = prompt_buckets(p, c, g, overhead=256)
+    assert all(shared for _, shared in buckets)
+    assert _cost(p, c, g, buckets, 256) < padded_area(p, c, length_buckets(p, c, 256)) + 256 * 2
+    assert not any(shared for _, shared in prompt_buckets(p, c, g, overhead=256, share=False))
+
+
+def test_bad_prompt_bucket_input_is_named():
+    with pytest.raises(ValueError, match="1-D of one length"):
+        prompt_buckets([1, 2], [1, 2], [0])
+    with pytest.raises(ValueError, match="one prompt length"):
+        prompt_buckets([3, 4], [1, 2], [0, 0])
+    with pytest.raises(ValueError, match="overhead"):
+        prompt_buckets([1], [1], [0], overhead=-1)
+    assert prompt_buckets([], [], []) == []
+
+
+def test_prompt_groups_tell_prompts_apart_by_tokens_and_padding():
+    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [5, 5, 6], [0, 5, 7], [9, 5, 6]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1], [0, 1, 1]])
+    g = shared_prefix.prompt_groups(ids, mask)
+    assert g[0] == g[1] == g[4]  # a padded position's token does not matter
+    assert len({g[0], g[2], g[3]}) == 3
+
+
+# ---------------------------------------------------------------------------------------------- the forward
+def _grouped_batch(tok, rng, prompt_lens=(25, 31, 55), comp_lens=((18, 3, 18), (38, 30, 0), (12, 40, 7))):
+    """Groups of rows sharing a left-padded prompt, with right-padded completions of varied lengths (TRL's layout)."""
+    prompts = [rng.integers(5, 400, n).tolist() for n in prompt_lens]
+    rows = [(prompts[u], rng.integers(5, 400, n).tolist()) for u, lens in enumerate(comp_lens) for n in lens]
+    P, C = max(prompt_lens), max(n for lens in comp_lens for n in lens)
+    ids = torch.full((len(rows), P + C), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(rows):
+        ids[i, P - len(p):P], mask[i, P - len(p):P] = torch.tensor(p), 1
+        if c:
+            ids[i, P:P + len(c)], mask[i, P:P + len(c)] = torch.tensor(c), 1
+    return ids, mask, C, mask[:, P:]
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir, tmp_path_factory):
+    from sage_core.presets import preset
+    from sage_core.train import build_trainer
+
+    return build_trainer(preset("tiny-cpu", method="grpo", num_prompts=8, prompts_per_step=2, max_steps=1),
+                         tmp_path_factory.mktemp("shared"))
+
+
+def _spy(model):
+    """Record (rows, columns, cache passed, grad mode) of each forward."""
+    calls, plain_forward = [], model.forward
+
+    def spy(*a, **k):
+        cached = k.get("cache", k.get("past_key_values")) is not None
+        calls.append((*k["input_ids"].shape, cached, torch.is_grad_enabled()))
+        return plain_forward(*a, **k)
+
+    model.forward = spy
+    return calls, plain_forward
+
+
+def _run(trainer, ids, mask, C, comp_mask, share, **kw):
+    model = trainer.model
+    trainer.args.sage_shared_prefix = share
+    model.zero_grad()
+    logps, ent, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, C, compute_entropy=True, **kw)
+    (logps * comp_mask).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return logps * comp_mask, ent * comp_mask, grads
+
+
+def _same(a, b):
+    torch.testing.assert_close(a[0], b[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a[1], b[1], atol=1e-4, rtol=1e-4)
+    assert len(a[2]) == len(b[2]) > 0
+    for x, y in zip(a[2], b[2], strict=True):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-3)
+
+
+def test_shared_prompts_give_the_loss_the_same_logps_entropies_and_gradients(trainer):
+    ids, mask, C, comp_mask = _grouped_batch(trainer.processing_class, np.random.default_rng(0))
+    model = trainer.model
+    model.train()
+    trainer.args.sage_bucket_overhead = 16
+    calls, plain_forward = _spy(model)
+    try:
+        plain = _run(trainer, ids, mask, C, comp_mask, share=False)
+        plain_calls = list(calls)
+        calls.clear()
+        shared = _run(trainer, ids, mask, C, comp_mask, share=True)
+    finally:
+        model.forward = plain_forward
+    _same(shared, plain)
+    assert not any(cached for *_, cached, _ in plain_calls)
+    # each prompt ran once (3 prompts), each row's completion against its prompt's cache (9 rows)
+    prompt_rows = sum(n for n, _, cached, _ in calls if not cached)
+    row_chunks = sum(n for n, _, cached, _ in calls if cached)
+    assert prompt_rows == 3 and row_chunks == 9
+    assert sum(n * w for n, w, _, _ in calls) < sum(n * w for n, w, _, _ in plain_calls)
+
+
+def test_zero_advantage_groups_share_their_prompt_without_a_graph(trainer):
+    ids, mask, C, comp_mask = _grouped_batch(trainer.processing_class, np.random.default_rng(1))
+    model = trainer.model
+    model.train()
+    trainer.args.sage_bucket_overhead = 16
+    calls, plain_forward = _spy(model)
+    try:
+        trainer._no_grad_rows = torch.tensor([True] * 3 + [False] * 3 + [True] * 3)
+        plain = _run(trainer, ids, mask, C, comp_mask, share=False)
+        calls.clear()
+        shared = _run(trainer, ids, mask, C, comp_mask, share=True)
+    finally:
+        model.forward, trainer._no_grad_rows = plain_forward, None
+    # the dead rows' log-probs are the same; only the live group's carry gradient (the same in both layouts)
+    _same(shared, plain)
+    assert sum(n for n, _, cached, grad in calls if cached and grad) == 3
+    assert sum(n for n, _, cached, grad in calls if cached and not grad) == 6
+
+
+def test_with_gradient_checkpointing_rows_with_gradients_run_whole(trainer):
+    """Gradient checkpointing turns the cache off while training (transformers drops it), so rows that carry
+    gradient run whole; rows without a graph still share their prompt."""
+    ids, mask, C, comp_mask = _grouped_batch(trainer.processing_class, np.random.default_rng(2))
+    model = trainer.model
+    model.train()
+    trainer.args.sage_bucket_overhead = 16
+    calls, plain_forward = _spy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        assert not shared_prefix.usable(model, with_grad=True) and shared_prefix.usable(model, with_grad=False)
+        trainer._no_grad_rows = torch.tensor([True] * 3 + [False] * 3 + [True] * 3)
+        plain = _run(trainer, ids, mask, C, comp_mask, share=False)
+        calls.clear()
+        shared = _run(trainer, ids, mask, C, comp_mask, share=True)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.forward, trainer._no_grad_rows = plain_forward, None
+    _same(shared, plain)
+    assert not any(cached for _, _, cached, grad in calls if grad)
+    assert sum(n for n, _, cached, grad in calls if cached and not grad) == 6
+
+
+def test_a_memory_cap_on_rows_per_forward_still_holds(trainer):
+    ids, mask, C, comp_mask = _grouped_batch(trainer.processing_class, np.random.default_rng(3))
+    model = trainer.model
+    model.train()
+    trainer.args.sage_bucket_overhead = 0
+    calls, plain_forward = _spy(model)
+    try:
+        plain = _run(trainer, ids, mask, C, comp_mask, share=False)
+        calls.clear()
+        shared = _run(trainer, ids, mask, C, comp_mask, share=True, batch_size=2)
+    finally:
+        model.forward = plain_forward
+    _same(shared, plain)
+    assert max(n for n, *_ in calls) <= 2
+
+
+def test_a_cache_that_is_not_full_attention_makes_the_forward_plain(trainer, monkeypatch, caplog):
+    """Sliding-window, recurrent or quantized caches cannot serve a shared prompt: the forward says so once and
+    computes every row whole, with the same results."""
+    ids, mask, C, comp_mask = _grouped_batch(trainer.processing_class, np.random.default_rng(4))
+    model = trainer.model
+    model.train()
+    trainer.args.sage_bucket_overhead = 16
+    plain = _run(trainer, ids, mask, C, comp_mask, share=False)
+    monkeypatch.setattr(shared_prefix, "DynamicLayer", type("SlidingLayer", (), {}))
+    trainer._share_failed = False
+    try:
+        with caplog.at_level(logging.WARNING, logger="sage_core.trainer"):
+            shared = _run(trainer, ids, mask, C, comp_mask, share=True)
+        assert trainer._share_failed
+        assert "every row's prompt" in caplog.text and "DynamicLayer" in caplog.text
+        _same(shared, plain)
+        calls, plain_forward = _spy(model)
+        try:
+            _run(trainer, ids, mask, C, comp_mask, share=True)
+        finally:
+            model.forward = plain_forward
+        assert not any(cached for _, _, cached, _ in calls)  # not tried again
+    finally:
+        trainer._share_failed = False
+
+
+def test_the_forward_refuses_a_prompt_too_short_to_split(trainer):
+    ids = torch.tensor([[5, 6, 7], [5, 6, 8]])
+    with pytest.raises(ValueError, match="at least 2 prompt columns"):
+        shared_prefix.forward(trainer.model, ids, torch.ones_like(ids), 2, False, trainer.accelerator.autocast)
+
+
+def test_the_cache_argument_is_found_through_wrappers(trainer):
+    from peft import LoraConfig, get_peft_model
+
+    name = shared_prefix._cache_kwarg(trainer.model)
+    assert name in ("cache", "past_key_values")
+    assert shared_prefix._cache_kwarg(torch.nn.ModuleList([trainer.model])) == name
+    peft_model = get_peft_model(type(trainer.model)(trainer.model.config), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert shared_prefix._cache_kwarg(peft_model) == name
