@@ -66,6 +66,9 @@ class RunSpec(BaseModel):
                                                     "trimmed of shared padding (same loss, fewer padded tokens)")
     skip_zero_advantage: bool = Field(True, description="no backward through rows whose advantage is 0 (exact "
                                                          "with beta 0 and no entropy bonus; needs length_buckets)")
+    hint_drafts: bool = Field(True, description="check each greedy hint (HF generate) against the request's last "
+                                                "hint in one forward before decoding it (the same hints, fewer "
+                                                "decode loops)")
     shared_prefix: bool = Field(True, description="compute each distinct prompt once in the loss's forward, for all "
                                                    "rows that share it (same loss and gradients; needs length_buckets)")
     measure_activations: bool = Field(False, description="log sage/activation_mb: the bytes the loss's forward saves "
@@ -178,10 +181,12 @@ def layout_error(spec: RunSpec, world: int) -> str | None:
 # where and in how much memory vLLM runs. A change to any other field makes it another run.
 RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "keep_checkpoints", "rollout_budget", "eval_k",
                               "eval_num_prompts", "eval_temperature", "eval_top_p", "eval_every", "eval_data",
-                              "vllm_server_base_url", "vllm_gpu_memory_utilization", "shared_prefix"})
+                              "vllm_server_base_url", "vllm_gpu_memory_utilization", "shared_prefix",
+                              "hint_drafts"})
 # the same run, trained the same, with or without them: evaluation while training (on whichever set), how many
-# checkpoints stay on disk, how the loss's forward lays out its rows (shared prompts: the same gradients)
-NOT_IN_KEY = frozenset({"eval_every", "eval_data", "keep_checkpoints", "shared_prefix"})
+# checkpoints stay on disk, how the loss's forward lays out its rows (shared prompts: the same gradients), whether
+# greedy hints are checked against drafts first (the same hints)
+NOT_IN_KEY = frozenset({"eval_every", "eval_data", "keep_checkpoints", "shared_prefix", "hint_drafts"})
 
 
 PATH_FIELDS = ("model", "data", "teacher", "eval_data")  # a local path, a built-in name, a hub id or (teacher) a URL

@@ -34,6 +34,7 @@ from trl.trainer.utils import RepeatSampler
 from . import gate, shared_prefix
 from .curation import Weighted
 from .data import PromptTooLong
+from .hint_drafts import HintDrafts
 from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints, leaks
 from .memory import measured
 from .packing import prompt_buckets
@@ -75,6 +76,9 @@ class SageConfig(GRPOConfig):
                 "rows) and the rows' completions against its cached keys and values: the same log-probs and "
                 "gradients; needs sage_length_buckets, a full-attention cache and, for rows with gradients, no "
                 "gradient checkpointing (those rows then run whole)"})
+    sage_hint_drafts: bool = field(default=True, metadata={
+        "help": "a greedy hint (HF generate) is first checked in one forward against the hint last written for the "
+                "same request: a draft greedy decoding would write again needs no decode loop (the same hints)"})
     sage_bucket_overhead: int | None = field(default=None, metadata={
         "help": "a forward's fixed cost in token slots: a bucket is split off only when it saves more padding. None: "
                 "256 on CPU (measured), 2048 on CUDA (an estimate, not measured). With ZeRO-3/FSDP there are no "
@@ -153,6 +157,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         self._batch_ids: set[str] = set()  # the step's prompt ids on every process (methods that swap prompts)
         self._no_grad_rows: torch.Tensor | None = None  # rows of the current loss forward that carry no gradient
         self._share_failed = False  # the model's cache cannot serve a shared prompt (sage_shared_prefix)
+        self._hint_drafts: HintDrafts | None = None  # each greedy hint request's last hint (sage_hint_drafts)
         self._ctx_limit: int | None | bool = False  # vLLM's context in tokens (None: unknown); False: not read yet
         self._init_no_hint_eval(eval_rows)
 
@@ -372,7 +377,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         # this process's counts, summed over processes
         # (TRL's own num_tokens and completions/* metrics describe the step's first rollout, not the trained rows)
         for key in ("reroll_groups", "reroll_rows", "hint_rows", "lookahead_unasked_rows", "gen_tokens",
-                    "train_tokens", "hint_requests_too_long", "hints_cut"):
+                    "train_tokens", "hint_requests_too_long", "hints_cut", "hint_draft_rows", "hint_drafts_done"):
             m[f"sage/{key}"].append(float(sum(gather_object([self._counts[key]]))))
         # sequential generation passes (the first rollout, re-roll rounds, hint calls): with vLLM a pass costs about
         # its longest completion whatever its width, so these, not the rows, set a step's rollout time there
@@ -518,24 +523,51 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
             sent = [i for i in sent if len(ids[i]) + self._max_new_tokens() <= limit]
             self._counts["hint_requests_too_long"] += len(ids) - len(sent)
         n = len(sent)
-        most = max(gather_object([n]))
-        comp_ids, lps = [[] for _ in ids], None
+        comp_ids, lps, known = [[] for _ in ids], None, {}  # known: a hint's first tokens, settled by its draft
+        drafts = self._greedy_hint_drafts() if kind == "hint" else None
+        if drafts is not None and sent:
+            checked = drafts.check(self.model, [ids[i] for i in sent], self._max_new_tokens())
+            self._counts["hint_draft_rows"] += sum(c is not None for c in checked)
+            for i, c in zip(list(sent), checked, strict=True):
+                if c is not None and c[1]:  # the draft is the greedy hint: no decoding
+                    comp_ids[i] = c[0]
+                    sent.remove(i)
+                    self._counts["hint_drafts_done"] += 1
+                elif c is not None:
+                    known[i] = c[0]
+        most = max(gather_object([len(sent)]))
         if most:
             self._passes[kind] += 1  # a generate call on every process (the same count everywhere)
-            batch = [ids[i] for i in sent]
+            batch = [ids[i] + known.get(i, []) for i in sent]
             pad = batch[0] if batch else self._tokenize_prompts([self._pad_prompt()])[0][0]
-            out, out_lps = self._generate_single_turn(batch + [pad] * (most - n), None, {}, num_generations=1)
+            out, out_lps = self._generate_single_turn(batch + [pad] * (most - len(sent)), None, {}, num_generations=1)
             lps = None if out_lps is None else [[] for _ in ids]
             for j, i in enumerate(sent):
-                comp_ids[i] = out[j]
+                comp_ids[i] = known.get(i, []) + out[j][:self._max_new_tokens() - len(known.get(i, []))]
+                self._counts["gen_tokens"] += len(comp_ids[i]) - len(known.get(i, []))
                 if lps is not None:
                     lps[i] = out_lps[j]
+        if drafts is not None:
+            for i in range(len(ids)):
+                if comp_ids[i]:
+                    drafts.remember(ids[i], comp_ids[i])
         texts = self.processing_class.batch_decode(comp_ids, skip_special_tokens=True)
         comps = [[{"role": "assistant", "content": t}] for t in texts] if prompts and is_conversational(
             {"prompt": prompts[0]}) else texts
         self._counts[f"{kind}_rows"] += n
-        self._counts["gen_tokens"] += sum(len(c) for c in comp_ids)
         return ids, comp_ids, comps, lps
+
+    def _greedy_hint_drafts(self) -> HintDrafts | None:
+        """The hint drafts (sage_core.hint_drafts) when this generate call decodes greedily with nothing changing the
+        argmax (no repetition penalty, suppressed tokens or generation_kwargs) on HF generate with whole parameters;
+        else None (vLLM samples on its own engine; sharded parameters would make the check's forward collective)."""
+        cfg = self.generation_config
+        if (not self.args.sage_hint_drafts or self.use_vllm or self._sharded or cfg.do_sample
+                or cfg.repetition_penalty not in (None, 1.0) or cfg.suppress_tokens or self.args.generation_kwargs):
+            return None
+        if self._hint_drafts is None:
+            self._hint_drafts = HintDrafts(self.eos_token_ids, self.processing_class.pad_token_id)
+        return self._hint_drafts
 
     def _max_new_tokens(self) -> int:
         """The current generate length (the hint length while hints are written)."""

@@ -1,0 +1,109 @@
+"""Hint drafts: a greedy hint checked in one forward against the request's last hint is the hint greedy decoding
+writes, and a run with drafts writes the same hints with fewer decode loops."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from sage_core.hint_drafts import HintDrafts
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    from sage_core.models import load_policy
+
+    model, tok = load_policy(str(tiny_model_dir))
+    model.eval()
+    return model, tok
+
+
+def _greedy(model, tok, prompts, max_new):
+    """Greedy hints as HF generate writes them (left-padded batch), cut after the first EOS."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, width:].tolist()
+    return [o[:o.index(tok.eos_token_id) + 1] if tok.eos_token_id in o else o for o in out]
+
+
+def _requests(tok):
+    from sage_core.hints import HintRequest, request_prompt
+
+    reqs = [HintRequest("a", "What is 3 + 4 * 2?", "4 * 2 = 8, 3 + 8 = 11", "11", 1),
+            HintRequest("b", "What is 9 - 2 - 3?", "9 - 2 = 7, 7 - 3 = 4", "4", 3),
+            HintRequest("c", "What is 6 * 3 + 1?", "6 * 3 = 18, 18 + 1 = 19", "19", 2)]
+    return [tok.apply_chat_template(request_prompt(r), add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for r in reqs]
+
+
+def test_a_draft_greedy_decoding_writes_again_is_the_hint(policy):
+    model, tok = policy
+    prompts = _requests(tok)
+    hints = _greedy(model, tok, prompts, 24)
+    drafts = HintDrafts([tok.eos_token_id], tok.pad_token_id)
+    assert drafts.check(model, prompts, 24) == [None] * 3  # nothing written yet
+    for p, h in zip(prompts, hints, strict=True):
+        drafts.remember(p, h)
+    for (tokens, done), h in zip(drafts.check(model, prompts, 24), hints, strict=True):
+        assert tokens == h and done
+
+
+def test_a_wrong_draft_keeps_its_matching_prefix_and_greedys_next_token(policy):
+    model, tok = policy
+    prompts = _requests(tok)[:1]
+    (hint,) = _greedy(model, tok, prompts, 24)
+    assert len(hint) > 4
+    drafts = HintDrafts([tok.eos_token_id], tok.pad_token_id)
+    wrong = hint[:3] + [(hint[3] + 1) % len(tok)] + hint[4:]
+    drafts.remember(prompts[0], wrong)
+    ((tokens, done),) = drafts.check(model, prompts, 24)
+    assert tokens == hint[:4] and done == (hint[3] == tok.eos_token_id)
+    # a draft cut short (an earlier, shorter limit) is matched and extended by one greedy token
+    drafts.remember(prompts[0], hint[:2])
+    ((tokens, done),) = drafts.check(model, prompts, 24)
+    assert tokens == hint[:3] and not done
+    # a limit below the draft's length: the hint is cut there, as generate would cut it
+    drafts.remember(prompts[0], hint)
+    ((tokens, done),) = drafts.check(model, prompts, 2)
+    assert tokens == hint[:2] and done
+
+
+def _run(tmp_path: Path, method: str, drafts: bool, **kw):
+    from sage_core.presets import preset
+    from sage_core.train import train
+
+    out = tmp_path / f"{method}-{drafts}"
+    res = train(preset("tiny-cpu", method=method, num_prompts=16, max_steps=5, hint_drafts=drafts, **kw), out,
+                resume=False)
+    rows = pd.concat([pd.read_parquet(f) for f in sorted(glob.glob(str(out / "tracker" / "*.parquet")))])
+    return rows[["prompt_id", "level", "hint_l1", "hint_l2", "hint_l3", "rewards"]].astype(str), res.summary
+
+
+def test_a_sage_run_with_drafts_writes_the_same_hints_with_fewer_decode_loops(tiny_model_dir, tmp_path):
+    plain, s0 = _run(tmp_path, "sage", drafts=False)
+    drafted, s1 = _run(tmp_path, "sage", drafts=True)
+    pd.testing.assert_frame_equal(drafted, plain)  # the same hints, rewards and levels, step by step
+    assert s1["never_solved"] == s0["never_solved"] and s1["rollouts"] == s0["rollouts"]
+    assert s1["hint_passes"] < s0["hint_passes"]
+
+
+def test_sampled_hints_take_no_draft(tiny_model_dir, tmp_path):
+    from sage_core.presets import preset
+    from sage_core.train import build_trainer
+
+    trainer = build_trainer(preset("tiny-cpu", method="sage", num_prompts=8, prompts_per_step=2, max_steps=1),
+                            tmp_path)
+    with trainer._sampling(8, 0.0):
+        assert isinstance(trainer._greedy_hint_drafts(), HintDrafts)
+    with trainer._sampling(8, 1.0):
+        assert trainer._greedy_hint_drafts() is None
+    trainer.args.sage_hint_drafts = False
+    with trainer._sampling(8, 0.0):
+        assert trainer._greedy_hint_drafts() is None
