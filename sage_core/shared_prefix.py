@@ -88,4 +88,7 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     with autocast():
         out = model(input_ids=chunk, attention_mask=attention_mask, labels=labels, fused_lm_head=True,
                     **{name: rows})
+    if rows.get_seq_length() != P - 1 + chunk.size(1):  # the forward did not read the cache (a layer dropped it)
+        raise CacheUnsupported(f"a cache the model's forward did not read ({rows.get_seq_length()} positions after "
+                               f"a chunk of {chunk.size(1)} on a prompt of {P - 1})")
     return out.log_probs[:, -C:], (out.entropy[:, -C:] if compute_entropy else None)

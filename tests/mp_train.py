@@ -15,8 +15,10 @@ from trl import GRPOTrainer
 from sage_core.presets import preset  # noqa: E402
 from sage_core.train import build_trainer, release_vllm, shutdown_distributed  # noqa: E402
 
-forwards = [0]  # the loss's model forwards on this rank in the current job (one per length bucket)
-_forward = GRPOTrainer._get_per_token_logps_and_entropies
+from sage_core import shared_prefix  # noqa: E402
+
+forwards = [0]  # the loss's forwards on this rank in the current job (one per length bucket, whole or shared prompt)
+_forward, _shared_forward = GRPOTrainer._get_per_token_logps_and_entropies, shared_prefix.forward
 
 
 def _counted(self, *args, **kwargs):
@@ -24,7 +26,13 @@ def _counted(self, *args, **kwargs):
     return _forward(self, *args, **kwargs)
 
 
+def _counted_shared(*args, **kwargs):
+    forwards[0] += 1
+    return _shared_forward(*args, **kwargs)
+
+
 GRPOTrainer._get_per_token_logps_and_entropies = _counted
+shared_prefix.forward = _counted_shared
 
 
 def run(out: str, method: str, overrides: dict, ctx_limit: int | None, bucket_overhead: list[int] | None) -> None:
