@@ -561,9 +561,11 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         """The hint drafts (sage_core.hint_drafts) when this generate call decodes greedily with nothing changing the
         argmax (no repetition penalty, suppressed tokens or generation_kwargs) on HF generate with whole parameters;
         else None (vLLM samples on its own engine; sharded parameters would make the check's forward collective)."""
-        cfg = self.generation_config
-        if (not self.args.sage_hint_drafts or self.use_vllm or self._sharded or cfg.do_sample
-                or cfg.repetition_penalty not in (None, 1.0) or cfg.suppress_tokens or self.args.generation_kwargs):
+        if not self.args.sage_hint_drafts or self.use_vllm or self._sharded:
+            return None
+        cfg = self.generation_config  # HF generate's (TRL sets none with vLLM)
+        if cfg.do_sample or cfg.repetition_penalty not in (None, 1.0) or cfg.suppress_tokens \
+                or self.args.generation_kwargs:
             return None
         if self._hint_drafts is None:
             self._hint_drafts = HintDrafts(self.eos_token_ids, self.processing_class.pad_token_id)

@@ -961,7 +961,7 @@ def test_wall_seconds_cover_every_session_of_a_run(tiny_model_dir, tmp_path):
 
 
 def test_eval_every_scores_the_policy_of_the_step_without_hints_and_leaves_training_as_it_was(tiny_model_dir,
-                                                                                               tmp_path):
+                                                                                               tmp_path, monkeypatch):
     """eval_every=2 over 3 steps: no-hint avg@k and pass@k of the held-out set at steps 2 and 3 (the last), in that
     step's log. They are what an offline evaluation of the step's checkpoint gives with the same (greedy) sampling,
     the rollouts and updates are those of the run without the eval (its sampling has an RNG of its own), and its
@@ -972,7 +972,26 @@ def test_eval_every_scores_the_policy_of_the_step_without_hints_and_leaves_train
     spec = small("sage-light", max_steps=3, save_steps=1, eval_every=2, eval_k=4, eval_num_prompts=16,
                  eval_temperature=0.0)
     with_eval = train(spec, tmp_path / "eval")
+    from sage_core.trainer import SageGRPOTrainer
+
+    in_eval, eval_draws = [False], [0]  # random draws the sampled eval makes (HF sampling's torch.multinomial)
+    real_eval, real_multinomial = SageGRPOTrainer.evaluate_no_hint, torch.multinomial
+
+    def evaluating(self):
+        in_eval[0] = True
+        try:
+            return real_eval(self)
+        finally:
+            in_eval[0] = False
+
+    def multinomial(*args, **kwargs):
+        eval_draws[0] += in_eval[0]
+        return real_multinomial(*args, **kwargs)
+
+    monkeypatch.setattr(SageGRPOTrainer, "evaluate_no_hint", evaluating)
+    monkeypatch.setattr(torch, "multinomial", multinomial)
     sampled = train(spec.model_copy(update={"eval_temperature": 1.0, "eval_top_p": 1.0}), tmp_path / "sampled")
+    monkeypatch.undo()
     without = train(spec.model_copy(update={"eval_every": None}), tmp_path / "plain")
     name = "synthetic-heldout"
     avg_key, pass_key = f"eval/during/{name}/avg_at_4", f"eval/during/{name}/pass_at_4"
@@ -990,9 +1009,10 @@ def test_eval_every_scores_the_policy_of_the_step_without_hints_and_leaves_train
     trained = [[[h.get(k) for k in keys] for h in run.log_history if "loss" in h]
                for run in (with_eval, sampled, without)]
     assert trained[0] == trained[1] == trained[2]
-    # the sampled eval's scores (temperature 1) equalled the greedy ones on this model's confident policy (seen
-    # 2026-11-27, transformers 5.23 and 5.24): that the eval draws from an RNG of its own is not shown by scores
-    # here; that training is the same with a sampled eval is (above)
+    # the sampled eval drew random numbers, and training drew what it draws without it (above): the eval's RNG is
+    # its own. (Its scores equalled the greedy ones on the tiny policy of 2026-11-27, confident on these prompts, so
+    # the draws are counted rather than read from the scores.)
+    assert eval_draws[0] > 0, "the sampled eval drew nothing: the RNG is not tested"
     assert not any(k.startswith("eval/") for h in without.log_history for k in h)
     spent = with_eval.summary["eval_seconds"]
     assert spent == pytest.approx(sum(h.get("sage/eval_seconds", 0) for h in with_eval.log_history)) and spent > 0
