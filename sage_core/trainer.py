@@ -565,7 +565,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
             return None
         cfg = self.generation_config  # HF generate's (TRL sets none with vLLM)
         if cfg.do_sample or cfg.repetition_penalty not in (None, 1.0) or cfg.suppress_tokens \
-                or self.args.generation_kwargs:
+                or self.args.generation_kwargs or _dropout_active(self.model):
             return None
         if self._hint_drafts is None:
             self._hint_drafts = HintDrafts(self.eos_token_ids, self.processing_class.pad_token_id)
@@ -904,6 +904,19 @@ def _groups_by_prompt_id(rows: list[dict], G: int) -> list[tuple[str, list[int]]
 def _bucket_overhead(trainer) -> int:
     """Default per-forward overhead of the loss's length buckets, in token slots (see SageConfig)."""
     return 2048 if trainer.accelerator.device.type == "cuda" else 256
+
+
+def _dropout_active(model: nn.Module) -> bool:
+    """Whether a forward of `model` now drops activations at random (a Dropout module or an attention dropout in
+    training mode): greedy decoding is then no function of the prompt, and a draft cannot be checked."""
+    if not model.training:
+        return False
+    def rate(x) -> float:
+        r = getattr(x, "attention_dropout", 0)
+        return r if isinstance(r, (int, float)) else 0.0
+
+    return any((isinstance(m, nn.Dropout) and m.p > 0) or rate(m) > 0 or rate(getattr(m, "config", None)) > 0
+               for m in model.modules())
 
 
 def _params_sharded(trainer) -> bool:

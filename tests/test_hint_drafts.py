@@ -94,7 +94,7 @@ def test_a_sage_run_with_drafts_writes_the_same_hints_with_fewer_decode_loops(ti
     assert s1["hint_passes"] < s0["hint_passes"]
 
 
-def test_sampled_hints_take_no_draft(tiny_model_dir, tmp_path):
+def test_sampled_hints_and_dropout_take_no_draft(tiny_model_dir, tmp_path):
     from sage_core.presets import preset
     from sage_core.train import build_trainer
 
@@ -104,6 +104,14 @@ def test_sampled_hints_take_no_draft(tiny_model_dir, tmp_path):
         assert isinstance(trainer._greedy_hint_drafts(), HintDrafts)
     with trainer._sampling(8, 1.0):
         assert trainer._greedy_hint_drafts() is None
+    trainer.model.train()
+    trainer.model.config.attention_dropout = 0.1  # greedy decoding in training mode is then random
+    with trainer._sampling(8, 0.0):
+        assert trainer._greedy_hint_drafts() is None
+        trainer.model.eval()
+        assert isinstance(trainer._greedy_hint_drafts(), HintDrafts)
+    trainer.model.train()
+    trainer.model.config.attention_dropout = 0.0
     trainer.args.sage_hint_drafts = False
     with trainer._sampling(8, 0.0):
         assert trainer._greedy_hint_drafts() is None

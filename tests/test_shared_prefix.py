@@ -275,3 +275,22 @@ def test_the_cache_argument_is_found_through_wrappers(trainer):
     assert shared_prefix._cache_kwarg(torch.nn.ModuleList([trainer.model])) == name
     peft_model = get_peft_model(type(trainer.model)(trainer.model.config), LoraConfig(r=2, target_modules=["q_proj"]))
     assert shared_prefix._cache_kwarg(peft_model) == name
+
+
+def test_lora_adapters_see_the_same_logps_and_gradients_through_a_shared_prompt(tiny_model_dir, tmp_path):
+    """With LoRA (PEFT wraps the model; TRL's fused head sits on the base model) the shared forward reaches the
+    cache argument through the wrappers, and the adapters' gradients are the plain forward's."""
+    from sage_core.presets import preset
+    from sage_core.train import build_trainer
+
+    lora = build_trainer(preset("tiny-cpu", method="grpo", num_prompts=8, prompts_per_step=2, max_steps=1, lora_r=4,
+                                lora_alpha=8), tmp_path)
+    ids, mask, C, comp_mask = _grouped_batch(lora.processing_class, np.random.default_rng(5))
+    lora.model.train()
+    lora.args.sage_bucket_overhead = 16
+    plain = _run(lora, ids, mask, C, comp_mask, share=False)
+    shared = _run(lora, ids, mask, C, comp_mask, share=True)
+    assert not lora._share_failed
+    _same(shared, plain)
+    trainable = [p for p in lora.model.parameters() if p.requires_grad]
+    assert 0 < len(plain[2]) == len(trainable) < len(list(lora.model.parameters()))  # the adapters only
