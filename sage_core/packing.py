@@ -50,14 +50,16 @@ def padded_area(prompt_lens, completion_lens, buckets: list[list[int]] | None = 
     return int(sum(len(b) * (p[b].max() + c[b].max()) for b in buckets if b))
 
 
-def prompt_buckets(prompt_lens, completion_lens, groups, overhead: int = 256,
-                   share: bool = True) -> list[tuple[list[int], bool]]:
-    """Buckets of whole prompt groups (`groups[i]`: row i's group, rows of one group share one prompt), each with
-    whether its forward shares the prompt (sage_core.shared_prefix): that forward computes a group's prompt once
-    and each row's completion against it, U x (prompt - 1) + R x (completion + 1) token slots for U groups of R rows
-    plus two forwards' overhead, where a plain one computes R x (prompt + completion) plus one. A bucket takes the
-    cheaper of the two (the plain one where no prompt repeats or `share` is False); the split minimizes the sum
-    over contiguous runs of groups sorted by total length, longest first (exact DP, as length_buckets)."""
+def prompt_buckets(prompt_lens, completion_lens, groups, overhead: int = 256, share: bool = True,
+                   max_rows: int | None = None) -> list[tuple[list[int], bool]]:
+    """Buckets of rows, each with whether its forward shares its prompts (sage_core.shared_prefix): rows of one group
+    (`groups[i]`: row i's; a group's rows share one prompt) then compute that prompt once, and each row its
+    completion against it: U x (prompt - 1) + R x (completion + 1) token slots for R rows of U groups, plus two
+    forwards' overhead, where a plain forward computes R x (prompt + completion) plus one. A bucket takes the
+    cheaper of the two (plain where no group repeats in it or `share` is False). The split minimizes the sum over
+    contiguous runs of the rows sorted by total length, longest first (exact DP, as length_buckets), so a group's
+    long completion can leave its short ones to a bucket of their own; `max_rows` caps a bucket's rows (a forward's
+    memory cap: each bucket is then one forward)."""
     p, c = np.asarray(prompt_lens, dtype=np.int64), np.asarray(completion_lens, dtype=np.int64)
     g = np.asarray(groups)
     if p.shape != c.shape or p.shape != g.shape or p.ndim != 1:
@@ -65,33 +67,37 @@ def prompt_buckets(prompt_lens, completion_lens, groups, overhead: int = 256,
                          f"{c.shape} and {g.shape}")
     if overhead < 0:
         raise ValueError(f"overhead must be >= 0, got {overhead}")
-    if len(p) == 0:
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    n = len(p)
+    if n == 0:
         return []
-    names, first, unit = np.unique(g, return_index=True, return_inverse=True)
-    if (p != p[first][unit]).any():
-        raise ValueError("rows of one group must have one prompt length")
-    n, up = len(names), p[first]
-    uc, rows = np.zeros(n, dtype=np.int64), np.bincount(unit, minlength=n)
-    np.maximum.at(uc, unit, c)
-    order = np.argsort(-(up + uc), kind="stable")
-    # cost of a bucket of sorted units i..j-1, for every j > i, plain and shared
+    g = np.unique(g, return_inverse=True)[1]
+    order = np.argsort(-(p + c), kind="stable")
+    sp, sc, sg = p[order], c[order], g[order]
     best, cut, shared = np.full(n + 1, np.inf), np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1, dtype=bool)
     best[0] = 0.0
-    sp, sc, sr = up[order], uc[order], rows[order]
-    for i in range(n):
-        wp, wc, r = np.maximum.accumulate(sp[i:]), np.maximum.accumulate(sc[i:]), np.cumsum(sr[i:])
+    for i in range(n):  # buckets of sorted rows i..j-1, for every j > i (at most max_rows of them)
+        end = n if max_rows is None else min(n, i + max_rows)
+        wp, wc = np.maximum.accumulate(sp[i:end]), np.maximum.accumulate(sc[i:end])
+        r = np.arange(1, end - i + 1)
         plain = r * (wp + wc) + overhead
-        share_cost = np.arange(1, n - i + 1) * np.maximum(wp - 1, 0) + r * (wc + 1) + 2 * overhead
-        use = (share_cost < plain) & (r > np.arange(1, n - i + 1)) & (wp > 1) if share else np.zeros(n - i, bool)
-        cost = best[i] + np.where(use, share_cost, plain)
-        better = cost < best[i + 1:]
-        best[i + 1:][better] = cost[better]
-        cut[i + 1:][better] = i
-        shared[i + 1:][better] = use[better]
-    members = [np.flatnonzero(unit == u).tolist() for u in range(n)]
+        use = np.zeros(end - i, dtype=bool)
+        if share:
+            first = np.zeros(end - i, dtype=np.int64)  # 1 where a row's group first shows in the run
+            first[np.unique(sg[i:end], return_index=True)[1]] = 1
+            u = np.cumsum(first)
+            share_cost = u * np.maximum(wp - 1, 0) + r * (wc + 1) + 2 * overhead
+            use = (share_cost < plain) & (r > u) & (wp > 1)
+            plain = np.where(use, share_cost, plain)
+        cost = best[i] + plain
+        better = cost < best[i + 1:end + 1]
+        best[i + 1:end + 1][better] = cost[better]
+        cut[i + 1:end + 1][better] = i
+        shared[i + 1:end + 1][better] = use[better]
     buckets, j = [], n
     while j > 0:
         i = int(cut[j])
-        buckets.append(([r for u in order[i:j] for r in members[u]], bool(shared[j])))
+        buckets.append((order[i:j].tolist(), bool(shared[j])))
         j = i
     return buckets[::-1]

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -226,7 +226,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         dead = self._no_grad_rows
         dead = dead.tolist() if dead is not None and len(dead) == input_ids.size(0) else [False] * input_ids.size(0)
         grad = torch.is_grad_enabled()
-        sharing = self.args.sage_shared_prefix and not self._share_failed and P > 1
+        sharing = self.args.sage_shared_prefix and not self._share_failed and P > 1 and not _multimodal(self.model)
         share = {g: sharing and shared_prefix.usable(model, g) for g in {grad, False}}  # with gradients or without
         buckets = []  # (rows, with_grad, shared prompt)
         for no_grad in (False, True):
@@ -235,11 +235,10 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                 continue
             shares = share[grad and not no_grad]
             groups = shared_prefix.prompt_groups(input_ids[rows, :P], attention_mask[rows, :P]) if shares else rows
+            # batch_size: TRL's memory cap on rows per forward, a bucket's most rows
             for b, shared in prompt_buckets(prompt_w[rows].tolist(), comp_w[rows].tolist(), groups,
-                                            self.args.sage_bucket_overhead, shares):
-                b = [rows[i] for i in b]
-                step = batch_size or len(b)  # TRL's memory cap on rows per forward still holds
-                buckets += [(b[i:i + step], not no_grad, shared) for i in range(0, len(b), step)]
+                                            self.args.sage_bucket_overhead, shares, max_rows=batch_size):
+                buckets.append(([rows[i] for i in b], not no_grad, shared))
         if grad and not buckets[0][1]:  # no row carries gradient: one bucket keeps the loss on the graph
             buckets[0] = (buckets[0][0], True, buckets[0][2] and share[grad])
         logps, entropies = [], []
@@ -249,7 +248,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
             ids, mask = input_ids[idx, P - pw:P + cw], attention_mask[idx, P - pw:P + cw]
             with torch.set_grad_enabled(with_grad and grad):
                 lp = None
-                if shared:
+                if shared and pw > 1:
                     try:
                         lp, ent = shared_prefix.forward(model, ids, mask, cw, compute_entropy,
                                                         self.accelerator.autocast)
@@ -540,10 +539,14 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
             self._passes[kind] += 1  # a generate call on every process (the same count everywhere)
             batch = [ids[i] + known.get(i, []) for i in sent]
             pad = batch[0] if batch else self._tokenize_prompts([self._pad_prompt()])[0][0]
-            out, out_lps = self._generate_single_turn(batch + [pad] * (most - len(sent)), None, {}, num_generations=1)
+            limit = self._max_new_tokens()
+            shorter = known and all(i in known for i in sent)  # every row continues a draft (HF generate only)
+            with self._generate_length(limit - min(len(k) for k in known.values())) if shorter else nullcontext():
+                out, out_lps = self._generate_single_turn(batch + [pad] * (most - len(sent)), None, {},
+                                                          num_generations=1)
             lps = None if out_lps is None else [[] for _ in ids]
             for j, i in enumerate(sent):
-                comp_ids[i] = known.get(i, []) + out[j][:self._max_new_tokens() - len(known.get(i, []))]
+                comp_ids[i] = known.get(i, []) + out[j][:limit - len(known.get(i, []))]
                 self._counts["gen_tokens"] += len(comp_ids[i]) - len(known.get(i, []))
                 if lps is not None:
                     lps[i] = out_lps[j]
@@ -559,17 +562,26 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
 
     def _greedy_hint_drafts(self) -> HintDrafts | None:
         """The hint drafts (sage_core.hint_drafts) when this generate call decodes greedily with nothing changing the
-        argmax (no repetition penalty, suppressed tokens or generation_kwargs) on HF generate with whole parameters;
-        else None (vLLM samples on its own engine; sharded parameters would make the check's forward collective)."""
+        argmax (no logits processor in TRL's or the model's generation config, no generation_kwargs, no dropout) on
+        HF generate with whole parameters; else None (vLLM samples on its own engine; sharded parameters would make
+        the check's forward collective)."""
         if not self.args.sage_hint_drafts or self.use_vllm or self._sharded:
             return None
-        cfg = self.generation_config  # HF generate's (TRL sets none with vLLM)
-        if cfg.do_sample or cfg.repetition_penalty not in (None, 1.0) or cfg.suppress_tokens \
-                or self.args.generation_kwargs or _dropout_active(self.model):
+        if self.args.generation_kwargs or _argmax_changed(self.generation_config, self.model.generation_config) \
+                or _dropout_active(self.model):
             return None
         if self._hint_drafts is None:
             self._hint_drafts = HintDrafts(self.eos_token_ids, self.processing_class.pad_token_id)
         return self._hint_drafts
+
+    @contextmanager
+    def _generate_length(self, max_new_tokens: int):
+        """HF generate's max_new_tokens for one call (a hint continued from its draft needs fewer)."""
+        old, self.generation_config.max_new_tokens = self.generation_config.max_new_tokens, max_new_tokens
+        try:
+            yield
+        finally:
+            self.generation_config.max_new_tokens = old
 
     def _max_new_tokens(self) -> int:
         """The current generate length (the hint length while hints are written)."""
@@ -906,17 +918,56 @@ def _bucket_overhead(trainer) -> int:
     return 2048 if trainer.accelerator.device.type == "cuda" else 256
 
 
+def _multimodal(model: nn.Module) -> bool:
+    """A vision-language model: its text forward may take positions from state a generate call left (Qwen2.5-VL's
+    rope_deltas), so its rows never share a prompt's cache."""
+    config = getattr(model, "config", None)
+    return config is not None and (hasattr(config, "vision_config") or config.get_text_config() is not config)
+
+
+# GenerationConfig fields whose non-neutral values change greedy decoding's choice at some step (HF generate fills
+# each one TRL leaves unset from the model's own generation_config): field -> its neutral values
+_ARGMAX_FIELDS = {"do_sample": (False, None), "num_beams": (1, None), "repetition_penalty": (1.0, None),
+                  "encoder_repetition_penalty": (1.0, None), "no_repeat_ngram_size": (0, None),
+                  "min_length": (0, None), "min_new_tokens": (0, None), "bad_words_ids": (None,),
+                  "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "sequence_bias": (None,),
+                  "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+                  "exponential_decay_length_penalty": (None,), "diversity_penalty": (0.0, None),
+                  "guidance_scale": (None, 1.0), "watermarking_config": (None,), "low_memory": (None, False)}
+
+
+def _argmax_changed(config, model_config) -> bool:
+    """Whether greedy decoding under `config` (TRL's), with the fields it leaves unset taken from `model_config`
+    (the model's), is anything but the argmax of the logits at each step."""
+    for name, neutral in _ARGMAX_FIELDS.items():
+        value = getattr(config, name, None)
+        if value is None and model_config is not None:
+            value = getattr(model_config, name, None)
+        if not any(value is n or (n is not None and value == n) for n in neutral):
+            return True
+    return False
+
+
+_DROPOUT_NAMES = ("dropout", "pdrop", "jitter_noise")  # e.g. attention_dropout, resid_pdrop, router_jitter_noise
+
+
 def _dropout_active(model: nn.Module) -> bool:
-    """Whether a forward of `model` now drops activations at random (a Dropout module or an attention dropout in
-    training mode): greedy decoding is then no function of the prompt, and a draft cannot be checked."""
+    """Whether a forward of `model` now draws at random (a Dropout module, or a config rate such as attention_dropout,
+    hidden_dropout, resid_pdrop or router_jitter_noise, in training mode): greedy decoding is then no function of the
+    prompt, and a draft cannot be checked."""
     if not model.training:
         return False
-    def rate(x) -> float:
-        r = getattr(x, "attention_dropout", 0)
-        return r if isinstance(r, (int, float)) else 0.0
+    def drops(attrs: dict) -> bool:
+        return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                   and any(n in k for n in _DROPOUT_NAMES) for k, v in attrs.items())
 
-    return any((isinstance(m, nn.Dropout) and m.p > 0) or rate(m) > 0 or rate(getattr(m, "config", None)) > 0
-               for m in model.modules())
+    configs = {}
+    for m in model.modules():
+        if (isinstance(m, nn.Dropout) and m.p > 0) or drops(vars(m)):
+            return True
+        if hasattr(config := getattr(m, "config", None), "to_dict"):
+            configs[id(config)] = config
+    return any(drops(c.to_dict()) for c in configs.values())
 
 
 def _params_sharded(trainer) -> bool:

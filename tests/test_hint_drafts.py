@@ -115,3 +115,59 @@ def test_sampled_hints_and_dropout_take_no_draft(tiny_model_dir, tmp_path):
     trainer.args.sage_hint_drafts = False
     with trainer._sampling(8, 0.0):
         assert trainer._greedy_hint_drafts() is None
+
+
+def test_drafts_check_at_the_positions_generate_uses_with_absolute_position_embeddings():
+    """GPT-2-style models read each token's position: a left-padded row's first token is position 0 in generate,
+    and the check must number it so too (with positions 0..width-1, a correct draft was rejected and a wrong token
+    became part of the hint)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    vocab, eos, pad = 64, 1, 0
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=128, n_embd=64, n_layer=2, n_head=2,
+                                       bos_token_id=eos, eos_token_id=eos, pad_token_id=pad,
+                                       initializer_range=0.5)).eval()
+    prompts = [list(range(2, 30)), list(range(5, 13))]  # the second is left-padded by 20
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = (ids != pad).long()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                             pad_token_id=pad, eos_token_id=[eos])[:, width:].tolist()
+    hints = [o[:o.index(eos) + 1] if eos in o else o for o in out]
+    drafts = HintDrafts([eos], pad)
+    for p, h in zip(prompts, hints, strict=True):
+        drafts.remember(p, h)
+    assert [c[0] for c in drafts.check(model, prompts, 12)] == hints
+
+
+def test_settings_that_change_greedys_choice_turn_drafts_off():
+    """TRL's generation config leaves most logits processors unset, and generate fills them from the model's own:
+    a model whose generation_config.json sets min_new_tokens or no_repeat_ngram_size decodes something else than
+    the argmax, so no draft is checked for it. Dropout in training mode (a Dropout module or a config rate) too."""
+    from transformers import GenerationConfig
+
+    from sage_core.trainer import _argmax_changed, _dropout_active
+
+    trl = GenerationConfig(max_new_tokens=8, do_sample=False, repetition_penalty=1.0)
+    assert not _argmax_changed(trl, GenerationConfig())
+    for field, value in (("min_new_tokens", 20), ("no_repeat_ngram_size", 2), ("num_beams", 2),
+                         ("suppress_tokens", [5]), ("forced_eos_token_id", 1)):
+        assert _argmax_changed(trl, GenerationConfig(**{field: value})), field
+    assert _argmax_changed(GenerationConfig(repetition_penalty=1.1), GenerationConfig())
+    assert not _argmax_changed(trl, GenerationConfig(repetition_penalty=1.3))  # TRL's own value wins
+
+    class Block(torch.nn.Module):
+        def __init__(self, **config):
+            super().__init__()
+            self.config = GenerationConfig()
+            for k, v in config.items():
+                setattr(self.config, k, v)
+            self.linear = torch.nn.Linear(2, 2)
+
+    for config in ({"hidden_dropout": 0.3}, {"resid_pdrop": 0.1}, {"router_jitter_noise": 0.5}):
+        block = Block(**config).train()
+        assert _dropout_active(block) and not _dropout_active(block.eval()), config
+    assert not _dropout_active(Block(attention_dropout=0.0).train())
+    assert _dropout_active(torch.nn.Sequential(torch.nn.Dropout(0.1)).train())
