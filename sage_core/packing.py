@@ -16,31 +16,14 @@ import numpy as np
 def length_buckets(prompt_lens, completion_lens, overhead: int = 256) -> list[list[int]]:
     """Row indices grouped into buckets minimizing sum(rows x (max prompt + max completion) + overhead).
 
-    Rows are sorted by total length (longest first) and cut into contiguous runs; ties keep row order."""
+    Rows are sorted by total length (longest first) and cut into contiguous runs; ties keep row order: the DP of
+    prompt_buckets with every row its own group and no shared layout."""
     p, c = np.asarray(prompt_lens, dtype=np.int64), np.asarray(completion_lens, dtype=np.int64)
     if p.shape != c.shape or p.ndim != 1:
         raise ValueError(f"prompt_lens and completion_lens must be 1-D of one length, got {p.shape} and {c.shape}")
-    n = len(p)
-    if n == 0:
+    if len(p) == 0:
         return []
-    if overhead < 0:
-        raise ValueError(f"overhead must be >= 0, got {overhead}")
-    order = np.argsort(-(p + c), kind="stable")
-    p, c = p[order], c[order]
-    best = np.full(n + 1, np.inf)
-    best[0], cut = 0.0, np.zeros(n + 1, dtype=np.int64)
-    for i in range(n):  # a bucket starting at sorted row i and ending at row j-1, for every j > i
-        width = np.maximum.accumulate(p[i:]) + np.maximum.accumulate(c[i:])
-        cost = best[i] + width * np.arange(1, n - i + 1) + overhead
-        better = cost < best[i + 1:]
-        best[i + 1:][better] = cost[better]
-        cut[i + 1:][better] = i
-    buckets, j = [], n
-    while j > 0:
-        i = int(cut[j])
-        buckets.append(order[i:j].tolist())
-        j = i
-    return buckets[::-1]
+    return [rows for rows, _ in prompt_buckets(p, c, np.arange(len(p)), overhead, share=False)]
 
 
 def padded_area(prompt_lens, completion_lens, buckets: list[list[int]] | None = None) -> int:

@@ -541,7 +541,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
             pad = batch[0] if batch else self._tokenize_prompts([self._pad_prompt()])[0][0]
             limit = self._max_new_tokens()
             shorter = known and all(i in known for i in sent)  # every row continues a draft (HF generate only)
-            with self._generate_length(limit - min(len(k) for k in known.values())) if shorter else nullcontext():
+            with self._sampling(limit - min(len(k) for k in known.values()), 0.0) if shorter else nullcontext():
                 out, out_lps = self._generate_single_turn(batch + [pad] * (most - len(sent)), None, {},
                                                           num_generations=1)
             lps = None if out_lps is None else [[] for _ in ids]
@@ -573,15 +573,6 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         if self._hint_drafts is None:
             self._hint_drafts = HintDrafts(self.eos_token_ids, self.processing_class.pad_token_id)
         return self._hint_drafts
-
-    @contextmanager
-    def _generate_length(self, max_new_tokens: int):
-        """HF generate's max_new_tokens for one call (a hint continued from its draft needs fewer)."""
-        old, self.generation_config.max_new_tokens = self.generation_config.max_new_tokens, max_new_tokens
-        try:
-            yield
-        finally:
-            self.generation_config.max_new_tokens = old
 
     def _max_new_tokens(self) -> int:
         """The current generate length (the hint length while hints are written)."""
