@@ -131,6 +131,14 @@ def trainer(tiny_model_dir, tmp_path_factory):
                          tmp_path_factory.mktemp("shared"))
 
 
+def _prepared(trainer, seed, overhead=16):
+    """A grouped batch (seeded), the model in training mode, and the buckets' per-forward overhead set."""
+    batch = _grouped_batch(trainer.processing_class, np.random.default_rng(seed))
+    trainer.model.train()
+    trainer.args.sage_bucket_overhead = overhead
+    return batch
+
+
 def _spy(model):
     """Record (rows, columns, cache passed, grad mode) of each forward."""
     calls, plain_forward = [], model.forward
@@ -163,10 +171,8 @@ def _same(a, b):
 
 
 def test_shared_prompts_give_the_loss_the_same_logps_entropies_and_gradients(trainer):
-    ids, mask, C, comp_mask = _grouped_batch(trainer.processing_class, np.random.default_rng(0))
+    ids, mask, C, comp_mask = _prepared(trainer, 0)
     model = trainer.model
-    model.train()
-    trainer.args.sage_bucket_overhead = 16
     calls, plain_forward = _spy(model)
     try:
         plain = _run(trainer, ids, mask, C, comp_mask, share=False)
@@ -186,10 +192,8 @@ def test_shared_prompts_give_the_loss_the_same_logps_entropies_and_gradients(tra
 
 
 def test_zero_advantage_groups_share_their_prompt_without_a_graph(trainer):
-    ids, mask, C, comp_mask = _grouped_batch(trainer.processing_class, np.random.default_rng(1))
+    ids, mask, C, comp_mask = _prepared(trainer, 1)
     model = trainer.model
-    model.train()
-    trainer.args.sage_bucket_overhead = 16
     calls, plain_forward = _spy(model)
     try:
         trainer._no_grad_rows = torch.tensor([True] * 3 + [False] * 3 + [True] * 3)
@@ -207,10 +211,8 @@ def test_zero_advantage_groups_share_their_prompt_without_a_graph(trainer):
 def test_with_gradient_checkpointing_rows_with_gradients_run_whole(trainer):
     """Gradient checkpointing turns the cache off while training (transformers drops it), so rows that carry
     gradient run whole; rows without a graph still share their prompt."""
-    ids, mask, C, comp_mask = _grouped_batch(trainer.processing_class, np.random.default_rng(2))
+    ids, mask, C, comp_mask = _prepared(trainer, 2)
     model = trainer.model
-    model.train()
-    trainer.args.sage_bucket_overhead = 16
     calls, plain_forward = _spy(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
@@ -231,10 +233,8 @@ def test_with_gradient_checkpointing_rows_with_gradients_run_whole(trainer):
 
 
 def test_a_memory_cap_on_rows_per_forward_still_holds(trainer):
-    ids, mask, C, comp_mask = _grouped_batch(trainer.processing_class, np.random.default_rng(3))
+    ids, mask, C, comp_mask = _prepared(trainer, 3, overhead=0)
     model = trainer.model
-    model.train()
-    trainer.args.sage_bucket_overhead = 0
     calls, plain_forward = _spy(model)
     try:
         plain = _run(trainer, ids, mask, C, comp_mask, share=False)
@@ -249,10 +249,8 @@ def test_a_memory_cap_on_rows_per_forward_still_holds(trainer):
 def test_a_cache_that_is_not_full_attention_makes_the_forward_plain(trainer, monkeypatch, caplog):
     """Sliding-window, recurrent or quantized caches cannot serve a shared prompt: the forward says so once and
     computes every row whole, with the same results."""
-    ids, mask, C, comp_mask = _grouped_batch(trainer.processing_class, np.random.default_rng(4))
+    ids, mask, C, comp_mask = _prepared(trainer, 4)
     model = trainer.model
-    model.train()
-    trainer.args.sage_bucket_overhead = 16
     plain = _run(trainer, ids, mask, C, comp_mask, share=False)
     monkeypatch.setattr(shared_prefix, "DynamicLayer", type("SlidingLayer", (), {}))
     trainer._share_failed = False
