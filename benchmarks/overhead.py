@@ -19,7 +19,9 @@ sequential generate calls per step (`passes`, rollout + hint: on vLLM a pass cos
 whatever its width); rollouts spent, and the fraction of prompts that never got a correct rollout. Runs of a
 few seconds are noisy on a shared machine, so each repeat runs every method once (in a rotated order), each
 method's ratio is taken against the GRPO run of the same repeat, and the table shows the median ratio with its
-range. A one-step warm-up of every method comes first and is not timed.
+range. A warm-up run of every method comes first and is not timed: one step on CPU, all --steps on CUDA, where a
+method's first full run was much slower than its later ones behind a one-step warm-up (H200, tiny-cpu: SAGE 17-21 s,
+then 6-9 s; presumably kernels prepared for the shapes its later steps bring; not profiled).
 Targets (issue 2): SAGE-LIGHT <= 1.15x GRPO, SAGE <= 1.8x (paper: 1.2x and 2.3x), and a lower never-solved
 fraction with SAGE than with GRPO. The `target` column gives the verdict against this trainer's GRPO, then against
 TRL's GRPOTrainer (`ok/MISS`): the paper's GRPO trains every row as TRL's does, while this trainer's skips the
@@ -107,11 +109,19 @@ def run_once(preset_name: str, steps: int, method: str, overrides: dict) -> dict
                 collapsed=res.summary["frac_collapsed"], rescued=res.summary["rescued"])
 
 
-def run(preset_name: str, steps: int, methods: list[str], overrides: dict, repeats: int = 1) -> list[dict]:
+def warmup_steps(steps: int) -> int:
+    """Steps of the untimed warm-up run: all of them on CUDA (a first full run is slow there), else one."""
+    import torch
+
+    return steps if torch.cuda.is_available() else 1
+
+
+def run(preset_name: str, steps: int, methods: list[str], overrides: dict, repeats: int = 1,
+        warmup: int = 1) -> list[dict]:
     """`repeats` rounds of every method (order rotated each round); per method: the median time, the median of
     the per-round ratios to GRPO and their range, and the first round's training outcomes (same seed each round)."""
-    for method in methods:  # warm-up, not timed: imports, first calls and allocations
-        run_once(preset_name, 1, method, overrides)
+    for method in methods:  # warm-up, not timed: imports, first calls, allocations, compiled kernels
+        run_once(preset_name, warmup, method, overrides)
     rounds = []
     for k in range(repeats):
         order = methods[k % len(methods):] + methods[:k % len(methods)]
@@ -180,6 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a RunSpec field for every method (repeatable), e.g. --set hint_temperature=1.0")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every method; ratios are medians over rounds")
+    ap.add_argument("--warmup-steps", type=int, default=None,
+                    help="steps of each method's untimed warm-up run (default: 1 on CPU, --steps on CUDA)")
     args = ap.parse_args(argv)
     from sage_core.cli import SpecError, parse_sets
 
@@ -200,7 +212,10 @@ def main(argv=None) -> int:
         methods.insert(0, "grpo")
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
-    rows = run(args.preset, args.steps, methods, overrides, args.repeats)
+    warmup = warmup_steps(args.steps) if args.warmup_steps is None else args.warmup_steps
+    if warmup < 1:
+        ap.error("--warmup-steps must be at least 1")
+    rows = run(args.preset, args.steps, methods, overrides, args.repeats, warmup)
     print(report(rows))
     return 0
 

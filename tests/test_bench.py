@@ -68,6 +68,18 @@ def test_overhead_bench_method_variants():
                                                                              "hint_retries": "0"})
     with pytest.raises(SystemExit):  # an unknown field is refused before anything trains
         ob.main(["--methods", "grpo,sage:lookahed=true"])
+    with pytest.raises(SystemExit):
+        ob.main(["--methods", "grpo", "--warmup-steps", "0"])
+
+
+def test_overhead_bench_warms_up_every_step_on_cuda_and_one_on_cpu(monkeypatch):
+    import torch
+
+    ob = _bench("overhead")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ob.warmup_steps(8) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ob.warmup_steps(8) == 8
 
 
 def test_learning_bench_compares_paired_no_hint_scores(tiny_model_dir, capsys):
