@@ -30,6 +30,24 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[i
     return torch.unique(key, dim=0, return_inverse=True)[1].tolist()
 
 
+def _replicator(groups: torch.Tensor):
+    """`t -> t[groups]` (each row gets its prompt's slice) with a backward that sums a prompt's row gradients in a
+    fixed order. Plain `t[groups]` accumulates them with index_put(accumulate=True), whose order PyTorch does not fix
+    (nondeterministic on CPU; seen: weights 1 ulp apart between two identical resumed runs). Here each row reads its
+    own slot of the prompt's slice expanded to the largest group, so the indexing's backward writes every slot once
+    and the expand's backward, an ordinary sum over the slots, adds them up."""
+    counts = torch.bincount(groups)
+    order = torch.argsort(groups, stable=True)
+    slot = torch.empty_like(groups)
+    slot[order] = torch.arange(groups.numel(), device=groups.device) - (torch.cumsum(counts, 0) - counts)[groups[order]]
+    width = int(counts.max())
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.unsqueeze(1).expand(t.size(0), width, *t.shape[1:])[groups, slot]
+
+    return rows
+
+
 def usable(model: nn.Module, with_grad: bool) -> bool:
     """Whether a forward may pass a cache: with gradients, gradient checkpointing turns it off (transformers'
     GradientCheckpointingLayer drops the cache while training), and this forward needs it."""
@@ -81,7 +99,8 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     layers = getattr(cache, "layers", None)
     if not layers or any(type(layer) is not DynamicLayer for layer in layers):
         raise CacheUnsupported(f"{type(cache).__name__} with layers {sorted({type(x).__name__ for x in layers or []})}")
-    rows = DynamicCache(ddp_cache_data=[(layer.keys[groups], layer.values[groups]) for layer in layers])
+    of_rows = _replicator(groups)
+    rows = DynamicCache(ddp_cache_data=[(of_rows(layer.keys), of_rows(layer.values)) for layer in layers])
     chunk = input_ids[:, P - 1:]
     labels = chunk.masked_fill(attention_mask[:, P - 1:] == 0, -100)
     labels[:, 0] = -100  # the prompt's last token is input only

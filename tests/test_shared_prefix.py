@@ -343,3 +343,20 @@ def test_vision_language_models_do_not_share_prompts():
 
     assert _multimodal(holder(Qwen2_5_VLConfig()))
     assert not _multimodal(holder(Qwen2Config()))
+
+
+@pytest.mark.parametrize("groups", [[0, 0, 0, 1, 1, 2], [2, 0, 1, 0, 2, 2, 2, 1], [0], [1, 1, 0]])
+def test_a_prompts_cache_reaches_its_rows_with_the_sum_of_their_gradients(groups):
+    """Each row reads its prompt's keys and values; the backward sums a prompt's row gradients in a fixed order
+    (plain `t[groups]` accumulates them with index_put, in an order PyTorch leaves open on CPU: two identical
+    resumed runs ended 1 ulp apart)."""
+    g = torch.tensor(groups)
+    t = torch.randn(int(g.max()) + 1, 2, 3, 4, requires_grad=True)
+    rows = shared_prefix._replicator(g)(t)
+    assert torch.equal(rows, t[g])
+    upstream = torch.randn_like(rows)
+    (grad,) = torch.autograd.grad(rows, t, upstream)
+    expected = torch.zeros_like(t).index_add_(0, g, upstream)
+    torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(grad, torch.autograd.grad(shared_prefix._replicator(g)(t), t, upstream)[0])
+               for _ in range(5))
