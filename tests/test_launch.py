@@ -392,6 +392,25 @@ def test_gpu_smoke_on_cpu_exits_with_clear_message():
     assert r.returncode == 0 and "Nothing was run" in r.stdout
 
 
+def test_gpu_smoke_with_hf_generate_runs_without_vllm(tiny_model_dir, tmp_path):
+    """--hf-generate: the smoke table from HF generate, no vLLM needed (a GPU without it; here, the CPU)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "smoke.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_smoke.py"), "--hf-generate", "--methods",
+                        "grpo,sage", "--steps", "2", "--out", str(tmp_path / "runs"), "--json", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert "HF generate (no vLLM)" in got["header"] and got["failed"] == []
+    grpo, sage = got["rows"]["grpo"], got["rows"]["sage"]
+    assert grpo["rollouts"] == 8 * 8 and sage["rollouts"] >= grpo["rollouts"]  # 8 prompts x G=8; SAGE re-rolls
+    assert grpo["steps"] == sage["steps"] == 1 and grpo["step_s"] > 0 and grpo["tok_s"] > 0
+    spec = json.loads((tmp_path / "runs" / "sage" / "smoke_metrics.json").read_text())["spec"]
+    assert spec["use_vllm"] is False and spec["method"] == "sage"
+
+
 def test_gpu_smoke_metrics_and_table():
     gs = _gpu_smoke()
     hist = [{"step_time": 9.0, "sage/gen_seconds": 8.0, "sage/rollouts": 64, "completions/mean_length": 10,
