@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # internal: run one method in this process
     args = ap.parse_args(argv)
 
+    if args.hf_generate and any(x.split("=", 1)[0].strip() == "use_vllm" for x in args.set):
+        ap.error("--hf-generate rolls out without vLLM: leave use_vllm out of --set")
     missing = [] if args.hf_generate else missing_requirements()
     if missing:
         print("gpu_smoke: needs vllm, missing here. Nothing was run. On a CUDA machine: `pip install -e '.[gpu]'`; "

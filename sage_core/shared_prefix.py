@@ -35,7 +35,9 @@ def _replicator(groups: torch.Tensor):
     fixed order. Plain `t[groups]` accumulates them with index_put(accumulate=True), whose order PyTorch does not fix
     (nondeterministic on CPU; seen: weights 1 ulp apart between two identical resumed runs). Here each row reads its
     own slot of the prompt's slice expanded to the largest group, so the indexing's backward writes every slot once
-    and the expand's backward, an ordinary sum over the slots, adds them up."""
+    and the expand's backward, an ordinary sum over the slots, adds them up. The price: that backward holds a
+    prompts x largest-group buffer per layer's keys and values for a moment (rows x 1 for even groups; more where a
+    bucket mixes one large group with single rows)."""
     counts = torch.bincount(groups)
     order = torch.argsort(groups, stable=True)
     slot = torch.empty_like(groups)
