@@ -219,7 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # internal: run one method in this process
     args = ap.parse_args(argv)
 
-    if args.hf_generate and any(x.split("=", 1)[0].strip() == "use_vllm" for x in args.set):
+    from sage_core.cli import SpecError, parse_sets
+
+    try:  # the CLI's own parser: unknown fields named, `use-vllm` read as use_vllm
+        sets = parse_sets(args.set)
+    except SpecError as e:
+        ap.error(str(e))
+    if args.hf_generate and "use_vllm" in sets:
         ap.error("--hf-generate rolls out without vLLM: leave use_vllm out of --set")
     missing = [] if args.hf_generate else missing_requirements()
     if missing:

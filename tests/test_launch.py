@@ -411,6 +411,15 @@ def test_gpu_smoke_with_hf_generate_runs_without_vllm(tiny_model_dir, tmp_path):
     assert spec["use_vllm"] is False and spec["method"] == "sage"
 
 
+def test_gpu_smoke_refuses_a_set_that_contradicts_hf_generate_or_names_no_field(capsys):
+    gs = _gpu_smoke()
+    for sets in (["use-vllm=true"], ["use_vllm=true"], ["bogus=1"]):
+        with pytest.raises(SystemExit):
+            gs.main(["--hf-generate", *[x for s in sets for x in ("--set", s)]])
+    err = capsys.readouterr().err
+    assert err.count("leave use_vllm out of --set") == 2 and "unknown RunSpec field 'bogus'" in err
+
+
 def test_gpu_smoke_metrics_and_table():
     gs = _gpu_smoke()
     hist = [{"step_time": 9.0, "sage/gen_seconds": 8.0, "sage/rollouts": 64, "completions/mean_length": 10,
