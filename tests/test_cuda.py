@@ -16,14 +16,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _train_hard_sage(tmp_path):
     """SAGE on hard prompts with teacher hints from the reference solutions, the loss's prompts recorded."""
+    from test_trainer import small
+
     from sage_core.data import build_dataset
     from sage_core.hints import write_reference_hints
-    from sage_core.presets import preset
     from sage_core.train import build_trainer
 
-    spec = preset("tiny-cpu", method="sage", difficulty="hard", num_prompts=8, prompts_per_step=4, num_generations=8,
-                  max_completion_length=40, save_steps=100, max_steps=3, hint_source="teacher",
-                  teacher=str(tmp_path / "teacher.jsonl"))
+    # the spec of test_trainer's sage_hard (its small SAGE setting on hard prompts)
+    spec = small("sage", difficulty="hard", max_steps=3, hint_source="teacher", teacher=str(tmp_path / "teacher.jsonl"))
     write_reference_hints(list(build_dataset(spec)), tmp_path / "teacher.jsonl")
     trainer = build_trainer(spec, tmp_path)
     start = {k: v.detach().float().cpu().clone() for k, v in trainer.model.state_dict().items()}
@@ -114,6 +114,8 @@ def test_shared_prompts_match_the_plain_forward_on_the_gpu(gpu_trainer, bf16):
 def test_hint_drafts_are_the_hints_greedy_decoding_writes_on_the_gpu(tiny_model_dir):
     """Generation runs in float32 on the GPU (TRL autocasts only the loss): a draft checked in one forward by CUDA's
     kernels is the hint that generate's token-by-token decoding writes."""
+    from test_hint_drafts import _greedy
+
     from sage_core.data import build_dataset
     from sage_core.hint_drafts import HintDrafts
     from sage_core.hints import HintRequest, request_prompt
@@ -127,13 +129,8 @@ def test_hint_drafts_are_the_hints_greedy_decoding_writes_on_the_gpu(tiny_model_
                                                                   r["answer"], 1 + i % 3)),
                                        add_generation_prompt=True, tokenize=True, return_dict=False)
                for i, r in enumerate(rows)]
-    width, max_new = max(map(len, prompts)), 48
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device="cuda")
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, width:].tolist()
-    hints = [o[:o.index(tok.eos_token_id) + 1] if tok.eos_token_id in o else o for o in out]
+    max_new = 48
+    hints = _greedy(model, tok, prompts, max_new)  # generate's token-by-token greedy decoding, on the GPU
     drafts = HintDrafts([tok.eos_token_id], tok.pad_token_id)
     for p, h in zip(prompts, hints, strict=True):
         drafts.remember(p, h)

@@ -23,10 +23,10 @@ def policy(tiny_model_dir):
 
 
 def _greedy(model, tok, prompts, max_new):
-    """Greedy hints as HF generate writes them (left-padded batch), cut after the first EOS."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    """Greedy hints as HF generate writes them (left-padded batch, on the model's device), cut after the first EOS."""
+    width, device = max(map(len, prompts)), next(model.parameters()).device
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, width:].tolist()
