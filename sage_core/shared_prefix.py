@@ -59,7 +59,7 @@ def usable(model: nn.Module, with_grad: bool) -> bool:
                                                      for m in model.modules()))
 
 
-def _cache_kwarg(model: nn.Module) -> str:
+def cache_kwarg(model: nn.Module) -> str:
     """The forward's name for a cache: `cache` (transformers >= 5.24), `past_key_values` before; read from the first
     module (the model itself, or the one a DDP or PEFT wrapper holds) whose forward takes either."""
     for m in model.modules():
@@ -93,7 +93,7 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     groups = torch.tensor(prompt_groups(input_ids[:, :P], attention_mask[:, :P]), device=input_ids.device)
     first = torch.full((int(groups.max()) + 1,), input_ids.size(0), device=input_ids.device).scatter_reduce(
         0, groups, torch.arange(input_ids.size(0), device=input_ids.device), reduce="amin")
-    name = _cache_kwarg(model)
+    name = cache_kwarg(model)
     with autocast():
         pre = model(input_ids=input_ids[first, :P - 1], attention_mask=attention_mask[first, :P - 1], use_cache=True,
                     logits_to_keep=1)
@@ -113,3 +113,4 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         raise CacheUnsupported(f"a cache the model's forward did not read ({rows.get_seq_length()} positions after "
                                f"a chunk of {chunk.size(1)} on a prompt of {P - 1})")
     return out.log_probs[:, -C:], (out.entropy[:, -C:] if compute_entropy else None)
+

@@ -71,6 +71,8 @@ class RunSpec(BaseModel):
                                                 "decode loops)")
     shared_prefix: bool = Field(True, description="compute each distinct prompt once in the loss's forward, for all "
                                                    "rows that share it (same loss and gradients; needs length_buckets)")
+    shared_prefill: bool = Field(True, description="HF generate: prefill each distinct prompt once for all rows that "
+                                                    "repeat it (the same logits up to float rounding)")
     measure_activations: bool = Field(False, description="log sage/activation_mb: the bytes the loss's forward saves "
                                                          "for backward per micro-batch (the activation memory)")
     learning_rate: float = Field(1e-4, gt=0.0)
@@ -182,11 +184,12 @@ def layout_error(spec: RunSpec, world: int) -> str | None:
 RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "keep_checkpoints", "rollout_budget", "eval_k",
                               "eval_num_prompts", "eval_temperature", "eval_top_p", "eval_every", "eval_data",
                               "vllm_server_base_url", "vllm_gpu_memory_utilization", "shared_prefix",
-                              "hint_drafts"})
+                              "shared_prefill", "hint_drafts"})
 # the same run, trained the same, with or without them: evaluation while training (on whichever set), how many
 # checkpoints stay on disk, how the loss's forward lays out its rows (shared prompts: the same gradients), whether
 # greedy hints are checked against drafts first (the same hints)
-NOT_IN_KEY = frozenset({"eval_every", "eval_data", "keep_checkpoints", "shared_prefix", "hint_drafts"})
+NOT_IN_KEY = frozenset({"eval_every", "eval_data", "keep_checkpoints", "shared_prefix", "shared_prefill",
+                        "hint_drafts"})
 
 
 PATH_FIELDS = ("model", "data", "teacher", "eval_data")  # a local path, a built-in name, a hub id or (teacher) a URL

@@ -110,6 +110,7 @@ def build_config(spec: RunSpec, output_dir: str | Path):
         sage_length_buckets=spec.length_buckets,
         sage_skip_zero_advantage=spec.skip_zero_advantage,
         sage_shared_prefix=spec.shared_prefix,
+        sage_shared_prefill=spec.shared_prefill,
         sage_hint_drafts=spec.hint_drafts,
         sage_measure_activations=spec.measure_activations,
         sage_eval_every=spec.eval_every * spec.updates_per_generation if spec.eval_every else None,

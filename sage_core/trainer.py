@@ -34,6 +34,7 @@ from trl.trainer.utils import RepeatSampler
 from . import gate, shared_prefix
 from .curation import Weighted
 from .data import PromptTooLong
+from .generation_cache import generation_cache
 from .hint_drafts import HintDrafts
 from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints, leaks
 from .memory import measured
@@ -76,6 +77,10 @@ class SageConfig(GRPOConfig):
                 "rows) and the rows' completions against its cached keys and values: the same log-probs and "
                 "gradients; needs sage_length_buckets, a full-attention cache and, for rows with gradients, no "
                 "gradient checkpointing (those rows then run whole)"})
+    sage_shared_prefill: bool = field(default=True, metadata={
+        "help": "HF generate: prefill each distinct prompt once for the rows that repeat it (a group's G rows) and "
+                "hand generate their cache; the same logits up to float rounding. Not with vLLM (it caches prefixes "
+                "itself), ZeRO-3/FSDP, dropout, beams or a cache other than full attention"})
     sage_hint_drafts: bool = field(default=True, metadata={
         "help": "a greedy hint (HF generate) is first checked in one forward against the hint last written for the "
                 "same request: a draft greedy decoding would write again needs no decode loop (the same hints)"})
@@ -157,6 +162,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         self._batch_ids: set[str] = set()  # the step's prompt ids on every process (methods that swap prompts)
         self._no_grad_rows: torch.Tensor | None = None  # rows of the current loss forward that carry no gradient
         self._share_failed = False  # the model's cache cannot serve a shared prompt (sage_shared_prefix)
+        self._prefill_failed = False  # nor can generate's (sage_shared_prefill)
         self._hint_drafts: HintDrafts | None = None  # each greedy hint request's last hint (sage_hint_drafts)
         self._ctx_limit: int | None | bool = False  # vLLM's context in tokens (None: unknown); False: not read yet
         self._init_no_hint_eval(eval_rows)
@@ -286,8 +292,51 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                     + (f" with the {room} new tokens a server must have room for (max_completion_length)"
                        if server else "") + "; set max_prompt_length (longer rows are then left out at load and the "
                     "context is sized for the rest) or raise it")
-        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                             has_tool_images)
+        with self._shared_prefill(bool(multimodal_fields) or any(im is not None for im in images or [])):
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+
+    @contextmanager
+    def _shared_prefill(self, multimodal: bool):
+        """While TRL's HF generate runs: hand it a cache of the batch's prompts, each distinct prompt computed once
+        (sage_core.generation_cache; a group's G rows hold one prompt), so that generate's own prefill runs each
+        row's last prompt token only, and decode steps append to the cache in place. The instance's `generate` is
+        wrapped for the call and restored."""
+        if self.use_vllm or not self.args.sage_shared_prefill or self._prefill_failed or self._sharded or multimodal:
+            yield
+            return
+        model, gen = self.accelerator.unwrap_model(self.model_wrapped), self.generation_config
+        if (_multimodal(model) or (gen.num_beams or 1) > 1 or (gen.num_return_sequences or 1) > 1
+                or gen.cache_implementation is not None or _dropout_active(model)):
+            yield
+            return
+        plain, own = model.generate, model.__dict__.get("generate")
+        name = shared_prefix.cache_kwarg(model)
+
+        def generate(*args, **kwargs):
+            ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+            if args or ids is None or mask is None or set(kwargs) - {"input_ids", "attention_mask",
+                                                                      "generation_config"}:
+                return plain(*args, **kwargs)
+            conf = kwargs.get("generation_config") or model.generation_config
+            new = conf.max_new_tokens if conf.max_new_tokens is not None else max(conf.max_length - ids.size(1), 0)
+            try:
+                cache = generation_cache(model, ids, mask, new)
+            except shared_prefix.CacheUnsupported as e:
+                self._prefill_failed = True
+                log.warning("generate prefills every row: the model's cache is %s, not full-attention layers "
+                            "(sage_shared_prefill)", e)
+                cache = None
+            return plain(**kwargs) if cache is None else plain(**kwargs, **{name: cache})
+
+        model.generate = generate
+        try:
+            yield
+        finally:
+            if own is None:
+                del model.generate
+            else:
+                model.generate = own
 
     def _context_limit(self) -> int | None:
         """vLLM's max_model_len: the configured one, else the engine's (colocate) or the server's (its /v1/models,

@@ -279,11 +279,11 @@ def test_the_forward_refuses_a_prompt_too_short_to_split(trainer):
 def test_the_cache_argument_is_found_through_wrappers(trainer):
     from peft import LoraConfig, get_peft_model
 
-    name = shared_prefix._cache_kwarg(trainer.model)
+    name = shared_prefix.cache_kwarg(trainer.model)
     assert name in ("cache", "past_key_values")
-    assert shared_prefix._cache_kwarg(torch.nn.ModuleList([trainer.model])) == name
+    assert shared_prefix.cache_kwarg(torch.nn.ModuleList([trainer.model])) == name
     peft_model = get_peft_model(type(trainer.model)(trainer.model.config), LoraConfig(r=2, target_modules=["q_proj"]))
-    assert shared_prefix._cache_kwarg(peft_model) == name
+    assert shared_prefix.cache_kwarg(peft_model) == name
 
 
 def test_lora_adapters_see_the_same_logps_and_gradients_through_a_shared_prompt(tiny_model_dir, tmp_path):

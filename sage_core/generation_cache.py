@@ -1,0 +1,92 @@
+"""HF generate's cache for a batch of groups: each distinct prompt prefilled once, every row's keys appended in place.
+
+A group's G rows repeat one prompt, and generate's own prefill runs each of them: G times the prompt's tokens. Here
+the prompt minus its last token runs once per distinct prompt, its keys and values are copied to the rows that
+repeat it, and generate, handed that cache, runs only each row's last prompt token before decoding. Positions are
+generate's own (the mask's running count where the forward takes position_ids, so a row's left padding does not
+shift it), so the logits are its own up
+to float rounding: that token attends through the cache rather than inside one forward. A sampled token differs
+only where a draw falls within rounding of a tie.
+
+DynamicLayer concatenates each step's key onto the cache, copying the whole cache every step (on CPU that copy was
+about a third of a decode step at 64 rows). The rows' layers here are `AppendLayer`s: a buffer with room for the
+completion, written in place (the same values, so the same logits).
+
+Needs a cache of full-attention layers (`DynamicLayer`); any other raises CacheUnsupported before generate runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from .shared_prefix import CacheUnsupported, DynamicCache, DynamicLayer, prompt_groups
+
+
+class AppendLayer(DynamicLayer or object):  # (transformers without layered caches: never built)
+    """A DynamicLayer whose keys and values are views of a buffer with `room` more positions: an update writes the
+    new positions in place. A batch change (beam reordering, row selection) or a longer update than the room left
+    allocates a new buffer, keys so far copied in; `keys`/`values` keep DynamicLayer's shapes and meaning."""
+
+    def __init__(self, room: int):
+        super().__init__()
+        self.room = room
+        self._buf: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        t, n = self.get_seq_length(), key_states.shape[-2]
+        buf = self._buf
+        if (buf is None or t + n > buf[0].shape[-2] or self.keys.data_ptr() != buf[0].data_ptr()
+                or buf[0].shape[0] != key_states.shape[0] or buf[0].dtype != key_states.dtype):
+            B, H, _, D = key_states.shape
+            buf = (key_states.new_empty(B, H, t + n + self.room, D), value_states.new_empty(B, H, t + n + self.room, D))
+            if t:
+                buf[0][:, :, :t] = self.keys
+                buf[1][:, :, :t] = self.values
+            self._buf = buf
+        buf[0][:, :, t:t + n] = key_states
+        buf[1][:, :, t:t + n] = value_states
+        self.keys, self.values = buf[0][:, :, :t + n], buf[1][:, :, :t + n]
+        return self.keys, self.values
+
+
+def _takes_positions(model: nn.Module) -> bool:
+    """Whether generate passes position_ids to this model's forward: it does where the forward names them (for a
+    PEFT model, the generating model is the base one)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "position_ids" in inspect.signature(base.forward).parameters
+
+
+def generation_cache(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int):
+    """The cache to hand generate for this left-padded batch: each row's prompt minus its last token, each distinct
+    prompt computed once, in AppendLayers with room for `new_tokens` more positions; None when no prompt repeats
+    (generate's own prefill then costs no more). Raises CacheUnsupported when the model's cache is not one of
+    full-attention layers."""
+    if DynamicCache is None:
+        return None
+    groups = torch.tensor(prompt_groups(input_ids, attention_mask), device=input_ids.device)
+    n_prompts = int(groups.max()) + 1 if groups.numel() else 0
+    if input_ids.size(1) < 2 or n_prompts == input_ids.size(0):
+        return None
+    first = torch.full((n_prompts,), input_ids.size(0), device=input_ids.device).scatter_reduce(
+        0, groups, torch.arange(input_ids.size(0), device=input_ids.device), reduce="amin")
+    kw = {}
+    if _takes_positions(model):  # generate then passes the mask's running count (else the model counts from 0)
+        kw["position_ids"] = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)[first, :-1]
+    pre = model(input_ids=input_ids[first, :-1], attention_mask=attention_mask[first, :-1], use_cache=True,
+                logits_to_keep=1, **kw)
+    cache = getattr(pre, "cache", None) or getattr(pre, "past_key_values", None)
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        raise CacheUnsupported(f"{type(cache).__name__} with layers {sorted({type(x).__name__ for x in layers or []})}")
+    rows = DynamicCache()
+    rows.layers = []
+    for layer in layers:
+        mine = AppendLayer(room=new_tokens + 1)  # the last prompt token, then every decode step's
+        mine.update(layer.keys.index_select(0, groups), layer.values.index_select(0, groups))
+        rows.layers.append(mine)
+    return rows
