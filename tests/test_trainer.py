@@ -31,7 +31,8 @@ def sage_hard(tiny_model_dir, tmp_path_factory):
     """SAGE on hard prompts only (3-4 steps): the regime where GRPO's gate stays closed. Hints come from a teacher
     file written from the reference solutions, so their quality does not depend on the tiny policy's copying."""
     out = tmp_path_factory.mktemp("sage_hard")
-    spec = small("sage", difficulty="hard", max_steps=3, hint_source="teacher", teacher=str(out / "teacher.jsonl"))
+    spec = small("sage", difficulty="hard", max_steps=3, hint_source="teacher", teacher=str(out / "teacher.jsonl"),
+                 lookahead=False)  # the sequential search, a pass per level (lookahead: its own test below)
     write_reference_hints(list(build_dataset(spec)), out / "teacher.jsonl")
     trainer = build_trainer(spec, out)
     seen = []
@@ -91,7 +92,7 @@ def test_sage_rescues_collapsed_groups_with_hints(sage_hard):
     assert metric(trainer, "sage/frac_open") == [open_groups[df.step == s].mean() for s in (1, 2, 3)]
     # re-rolls are per collapsed group: G more rollouts per level tried (fewer when a level had no usable hint)
     assert ((df.rollouts % 8 == 0) & (df.rollouts >= 8) & (df.rollouts <= 8 * (1 + df.max_level_tried))).all()
-    assert sum(metric(trainer, "sage/lookahead_unasked_rows")) == 0  # lookahead is off by default
+    assert sum(metric(trainer, "sage/lookahead_unasked_rows")) == 0  # sequential: nothing rolled ahead
     assert sum(metric(trainer, "sage/rollouts")) == df.rollouts.sum()
     # one rollout pass for the step's first rollout, then one per level round (teacher hints: no hint passes)
     assert metric(trainer, "sage/rollout_passes") == [1 + df[df.step == s].max_level_tried.max() for s in (1, 2, 3)]
