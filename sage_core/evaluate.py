@@ -91,6 +91,29 @@ def summarise(rows: Sequence[Mapping[str, Any]], completions: Sequence[Sequence[
     }
 
 
+def _generate_repeats(model, enc, gen_kwargs: dict, reps: int, shared: list[bool]):
+    """generate with `num_return_sequences=reps`, each prompt prefilled once for its `reps` rows
+    (sage_core.generation_cache): the rows are the prompts repeated in place, as generate lays them out itself, and the
+    same seed draws the same samples (up to float rounding). `shared[0]` turns False, for the calls after, where the
+    model's cache is not one of full-attention layers (or it takes none)."""
+    from .shared_prefix import takes_cache
+
+    if reps > 1 and shared[0] and takes_cache(model):
+        from .generation_cache import generation_cache
+        from .shared_prefix import CacheUnsupported, cache_kwarg
+
+        ids, mask = enc["input_ids"].repeat_interleave(reps, 0), enc["attention_mask"].repeat_interleave(reps, 0)
+        try:
+            cache = generation_cache(model, ids, mask, gen_kwargs["max_new_tokens"])
+        except CacheUnsupported as e:
+            logger.info("evaluation prefills every sample: the model's cache is %s, not full-attention layers", e)
+            shared[0], cache = False, None
+        if cache is not None:
+            return model.generate(input_ids=ids, attention_mask=mask, **{**gen_kwargs, "num_return_sequences": 1},
+                                  **{cache_kwarg(model): cache})
+    return model.generate(**enc, **gen_kwargs)
+
+
 def generate_hf(model, tokenizer, texts: Sequence[str], k: int = 4, temperature: float = 0.6, top_p: float = 0.95,
                 max_new_tokens: int = 64, batch_size: int = 32, seed: int = 0) -> list[list[str]]:
     """k sampled completions per prompt text with HF generate (greedy when temperature == 0). `batch_size` is the
@@ -116,6 +139,7 @@ def generate_hf(model, tokenizer, texts: Sequence[str], k: int = 4, temperature:
     if old_config is not None:
         model.generation_config = GenerationConfig(bos_token_id=old_config.bos_token_id,
                                                    eos_token_id=old_config.eos_token_id, pad_token_id=pad_id)
+    shared = [True]  # each prompt prefilled once for its k samples, until the model's cache turns out not to allow it
     try:
         device = next(model.parameters()).device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -123,10 +147,10 @@ def generate_hf(model, tokenizer, texts: Sequence[str], k: int = 4, temperature:
             for start in range(0, len(texts), per_call):
                 chunk = list(texts[start:start + per_call])
                 enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-                with torch.no_grad():
-                    ids = model.generate(**enc, **gen_kwargs)
-                decoded = tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
                 reps = k if sample else 1
+                with torch.no_grad():
+                    ids = _generate_repeats(model, enc, gen_kwargs, reps, shared)
+                decoded = tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
                 for j in range(len(chunk)):
                     group = decoded[j * reps:(j + 1) * reps]
                     out.append(group if sample else group * k)

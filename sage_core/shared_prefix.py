@@ -62,11 +62,20 @@ def usable(model: nn.Module, with_grad: bool) -> bool:
 def cache_kwarg(model: nn.Module) -> str:
     """The forward's name for a cache: `cache` (transformers >= 5.24), `past_key_values` before; read from the first
     module (the model itself, or the one a DDP or PEFT wrapper holds) whose forward takes either."""
+    return _cache_name(model) or "past_key_values"
+
+
+def takes_cache(model: nn.Module) -> bool:
+    """Whether some module of `model` (it, or the one a wrapper holds) has a forward that takes a cache."""
+    return _cache_name(model) is not None
+
+
+def _cache_name(model: nn.Module) -> str | None:
     for m in model.modules():
         params = _params(m)
         if "cache" in params or "past_key_values" in params:
             return "cache" if "cache" in params else "past_key_values"
-    return "past_key_values"
+    return None
 
 
 def _params(module: nn.Module) -> set[str]:

@@ -353,3 +353,33 @@ def test_hf_generate_samples_as_training_does_whatever_the_checkpoints_generatio
     model.generation_config.no_repeat_ngram_size = 2
     assert generate_hf(model, tok, texts, k=4, max_new_tokens=24, seed=0) == plain
     assert model.generation_config.repetition_penalty == 1.3 and model.generation_config.no_repeat_ngram_size == 2
+
+
+def test_hf_eval_prefills_each_prompt_once_for_its_k_samples_and_samples_the_same(tiny_model_dir, monkeypatch):
+    """k samples of a prompt are its rows repeated in place: the eval hands generate a cache with each prompt computed
+    once (sage_core.generation_cache), and draws what generate's own k copies draw with the same seed. A model whose
+    cache cannot be shared samples every row as before."""
+    import functools
+
+    from sage_core import generation_cache as gc_mod
+    from sage_core.evaluate import generate_hf
+
+    model, tok = models.load_policy("tiny")
+    texts = [render_prompt(tok, r) for r in data.synthetic_rows(6, seed=4, difficulty="mixed")]
+    calls, forward = [], model.forward
+
+    @functools.wraps(forward)
+    def spy(*a, **kw):
+        calls.append(tuple(kw["input_ids"].shape))
+        return forward(*a, **kw)
+
+    model.forward = spy
+    shared = generate_hf(model, tok, texts, k=4, max_new_tokens=24, batch_size=12, seed=3)
+    assert calls[0][0] == 3 and calls[1] == (12, 1)  # 3 prompts a call, prefilled once; then each row's last token
+    calls.clear()
+    monkeypatch.setattr(gc_mod, "DynamicLayer", type("SlidingLayer", (), {}))
+    plain = generate_hf(model, tok, texts, k=4, max_new_tokens=24, batch_size=12, seed=3)
+    assert calls[0][0] == 3 and calls[1][0] == 12 and calls[1][1] > 1  # refused once: generate prefills all rows
+    assert all(shape[0] == 12 for shape in calls[2:] if shape[1] > 1)
+    assert plain == shared and len(plain) == 6 and all(len(c) == 4 for c in plain)
+    assert len({c for cs in plain for c in cs}) > 6  # sampled: the k samples differ
