@@ -9,8 +9,8 @@ to float rounding: that token attends through the cache rather than inside one f
 only where a draw falls within rounding of a tie.
 
 DynamicLayer concatenates each step's key onto the cache, copying the whole cache every step (on CPU that copy was
-about a third of a decode step at 64 rows). The rows' layers here are `AppendLayer`s: a buffer with room for the
-completion, written in place (the same values, so the same logits).
+about a third of a decode step at 64 rows). The rows' layers here are `AppendLayer`s: a buffer that doubles when full,
+up to the prompt plus the completion, written in place (the same values, so the same logits).
 
 Needs a cache of full-attention layers (`DynamicLayer`); any other raises CacheUnsupported before generate runs.
 """
@@ -26,13 +26,16 @@ from .shared_prefix import CacheUnsupported, DynamicCache, DynamicLayer, prompt_
 
 
 class AppendLayer(DynamicLayer or object):  # (transformers without layered caches: never built)
-    """A DynamicLayer whose keys and values are views of a buffer with `room` more positions: an update writes the
-    new positions in place. A batch change (beam reordering, row selection) or a longer update than the room left
-    allocates a new buffer, keys so far copied in; `keys`/`values` keep DynamicLayer's shapes and meaning."""
+    """A DynamicLayer whose keys and values are views of a larger buffer: an update writes its positions in place.
+    The buffer doubles when full (at most to `limit` positions, what the layer is expected to hold: prompt plus
+    completion), so a completion that stops early never holds memory for the longest one, and the copies stay linear
+    in its length (DynamicLayer copies the whole cache at every step). A batch change (beam reordering, row
+    selection, a reset) starts a new buffer from the keys so far; `keys`/`values` keep DynamicLayer's shapes and
+    meaning."""
 
-    def __init__(self, room: int):
+    def __init__(self, limit: int | None = None):
         super().__init__()
-        self.room = room
+        self.limit = limit
         self._buf: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -42,8 +45,11 @@ class AppendLayer(DynamicLayer or object):  # (transformers without layered cach
         buf = self._buf
         if (buf is None or t + n > buf[0].shape[-2] or self.keys.data_ptr() != buf[0].data_ptr()
                 or buf[0].shape[0] != key_states.shape[0] or buf[0].dtype != key_states.dtype):
+            size = max(2 * (t + n), t + n + 16)
+            if self.limit is not None and self.limit >= t + n and size * 3 // 2 >= self.limit:
+                size = self.limit  # near the expected length: all of it at once
             B, H, _, D = key_states.shape
-            buf = (key_states.new_empty(B, H, t + n + self.room, D), value_states.new_empty(B, H, t + n + self.room, D))
+            buf = (key_states.new_empty(B, H, size, D), value_states.new_empty(B, H, size, D))
             if t:
                 buf[0][:, :, :t] = self.keys
                 buf[1][:, :, :t] = self.values
@@ -63,7 +69,7 @@ def _takes_positions(model: nn.Module) -> bool:
 
 def generation_cache(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int):
     """The cache to hand generate for this left-padded batch: each row's prompt minus its last token, each distinct
-    prompt computed once, in AppendLayers with room for `new_tokens` more positions; None when no prompt repeats
+    prompt computed once, in AppendLayers expecting `new_tokens` more positions; None when no prompt repeats
     (generate's own prefill then costs no more). Raises CacheUnsupported when the model's cache is not one of
     full-attention layers."""
     if DynamicCache is None:
@@ -86,7 +92,7 @@ def generation_cache(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     rows = DynamicCache()
     rows.layers = []
     for layer in layers:
-        mine = AppendLayer(room=new_tokens + 1)  # the last prompt token, then every decode step's
+        mine = AppendLayer(limit=input_ids.size(1) + new_tokens)  # the prompt, then every decode step's token
         mine.update(layer.keys.index_select(0, groups), layer.values.index_select(0, groups))
         rows.layers.append(mine)
     return rows

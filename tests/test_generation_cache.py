@@ -38,7 +38,7 @@ def test_an_append_layer_holds_what_a_dynamic_layer_holds_through_any_cache_oper
     """Updates of one or many positions, crops, row selection, beam reordering, repeats and resets in random order:
     after each, the keys and values (and what update returns) equal DynamicLayer's exactly, whatever the room."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    dyn, app = DynamicLayer(), AppendLayer(room=rng.choice([0, 1, 3, 40]))
+    dyn, app = DynamicLayer(), AppendLayer(limit=rng.choice([None, 1, 6, 40]))
     B, H, D = 4, 2, 3
     for _ in range(40):
         t = dyn.get_seq_length()
@@ -69,15 +69,26 @@ def test_an_append_layer_holds_what_a_dynamic_layer_holds_through_any_cache_oper
             assert torch.equal(app.keys, dyn.keys) and torch.equal(app.values, dyn.values)
 
 
-def test_decode_steps_write_into_the_buffer_without_reallocating():
-    layer = AppendLayer(room=8)
-    layer.update(torch.randn(2, 1, 5, 4), torch.randn(2, 1, 5, 4))
-    ptr = layer.keys.data_ptr()
-    for _ in range(8):
+def _buffers(layer, steps):
+    """The distinct buffers a layer wrote into over `steps` one-position updates, and its last buffer's size."""
+    seen = set()
+    for _ in range(steps):
         layer.update(torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4))
-    assert layer.get_seq_length() == 13 and layer.keys.data_ptr() == ptr  # the same buffer: no copy per step
-    layer.update(torch.randn(2, 1, 1, 4), torch.randn(2, 1, 1, 4))  # past its room: a new buffer, keys kept
-    assert layer.get_seq_length() == 14 and layer.keys.data_ptr() != ptr
+        seen.add(layer.keys.data_ptr())
+    return len(seen), layer._buf[0].shape[-2]
+
+
+def test_decode_steps_write_in_place_into_a_buffer_that_doubles_up_to_the_expected_length():
+    layer = AppendLayer(limit=5 + 40)  # a 5-token prompt, 40 new tokens expected
+    layer.update(torch.randn(2, 1, 5, 4), torch.randn(2, 1, 5, 4))
+    assert layer._buf[0].shape[-2] == 21  # 5 + 16: room to start with, not the whole completion's
+    assert _buffers(layer, 40) == (2, 45)  # grown once, to the expected length; no copy per step
+    assert layer.get_seq_length() == 45
+    assert _buffers(layer, 1) == (1, 92)  # past it: doubling again
+    long = AppendLayer(limit=100 + 8000)  # a long completion: buffers double, so the copies stay linear
+    long.update(torch.randn(2, 1, 100, 4), torch.randn(2, 1, 100, 4))
+    n, size = _buffers(long, 1000)
+    assert n == 4 and size == 1614 and long.get_seq_length() == 1100  # 200, 402, 806, 1614: not 8100 at once
 
 
 # ---------------------------------------------------------------------------------------------- with generate
