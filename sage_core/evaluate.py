@@ -98,7 +98,7 @@ def _generate_repeats(model, enc, gen_kwargs: dict, reps: int, shared: list[bool
     model's cache is not one of full-attention layers (or it takes none)."""
     from .shared_prefix import takes_cache
 
-    if reps > 1 and shared[0] and takes_cache(model):
+    if reps > 1 and shared[0] and takes_cache(model) and set(enc) == {"input_ids", "attention_mask"}:
         from .generation_cache import generation_cache
         from .shared_prefix import CacheUnsupported, cache_kwarg
 

@@ -43,13 +43,17 @@ class AppendLayer(DynamicLayer or object):  # (transformers without layered cach
             self.lazy_initialization(key_states, value_states)
         t, n = self.get_seq_length(), key_states.shape[-2]
         buf = self._buf
+        # the dtypes torch.cat would give (DynamicLayer's): a bf16 cache meeting fp32 states holds fp32 from then on
+        kd = torch.promote_types(self.keys.dtype, key_states.dtype) if t else key_states.dtype
+        vd = torch.promote_types(self.values.dtype, value_states.dtype) if t else value_states.dtype
         if (buf is None or t + n > buf[0].shape[-2] or self.keys.data_ptr() != buf[0].data_ptr()
-                or buf[0].shape[0] != key_states.shape[0] or buf[0].dtype != key_states.dtype):
+                or buf[0].shape[0] != key_states.shape[0] or buf[0].dtype != kd or buf[1].dtype != vd):
             size = max(2 * (t + n), t + n + 16)
             if self.limit is not None and self.limit >= t + n and size * 3 // 2 >= self.limit:
                 size = self.limit  # near the expected length: all of it at once
             B, H, _, D = key_states.shape
-            buf = (key_states.new_empty(B, H, size, D), value_states.new_empty(B, H, size, D))
+            buf = (key_states.new_empty(B, H, size, D, dtype=kd),
+                   value_states.new_empty(B, H, size, value_states.shape[-1], dtype=vd))
             if t:
                 buf[0][:, :, :t] = self.keys
                 buf[1][:, :, :t] = self.values
@@ -59,12 +63,20 @@ class AppendLayer(DynamicLayer or object):  # (transformers without layered cach
         self.keys, self.values = buf[0][:, :, :t + n], buf[1][:, :, :t + n]
         return self.keys, self.values
 
+    def reset(self) -> None:
+        self._buf = None
+        super().reset()
+
+
+def generating_module(model: nn.Module) -> nn.Module:
+    """The module whose forward generate runs: a PEFT model's generate is its base model's (adapters injected), and
+    the base model's forward, not the PEFT wrapper's (which accelerate may have wrapped in autocast)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
 
 def _takes_positions(model: nn.Module) -> bool:
-    """Whether generate passes position_ids to this model's forward: it does where the forward names them (for a
-    PEFT model, the generating model is the base one)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "position_ids" in inspect.signature(base.forward).parameters
+    """Whether generate passes position_ids to this model's forward: it does where the forward names them."""
+    return "position_ids" in inspect.signature(model.forward).parameters
 
 
 def generation_cache(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int):
@@ -80,7 +92,7 @@ def generation_cache(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
         return None
     first = torch.full((n_prompts,), input_ids.size(0), device=input_ids.device).scatter_reduce(
         0, groups, torch.arange(input_ids.size(0), device=input_ids.device), reduce="amin")
-    kw = {}
+    kw, model = {}, generating_module(model)  # the prefill runs as generate's own forwards will (autocast or not)
     if _takes_positions(model):  # generate then passes the mask's running count (else the model counts from 0)
         kw["position_ids"] = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)[first, :-1]
     pre = model(input_ids=input_ids[first, :-1], attention_mask=attention_mask[first, :-1], use_cache=True,

@@ -37,8 +37,8 @@ _PAPER_GPU: dict[str, Any] = dict(
 
 PRESETS: dict[str, dict[str, Any]] = {
     # lookahead: on CPU with HF generate (the generation cache makes rows cheap) SAGE's late levels rolled together
-    # cost 15% less time (2.45x GRPO against 2.88x, 5 rounds of benchmarks/overhead.py); the GPU presets keep the
-    # sequential passes until it is measured there
+    # cost 13-15% less time (2.45x GRPO against 2.88x, and 2.52x against 2.90x, in two 5-round runs of
+    # benchmarks/overhead.py); the GPU presets keep the sequential passes until it is measured there
     "tiny-cpu": dict(model="tiny", data="synthetic", num_prompts=64, num_generations=8, prompts_per_step=8,
                      max_steps=12, learning_rate=1e-4, max_completion_length=40, lookahead=True),
     "smollm2-cpu": dict(model="smollm2", data="synthetic", num_prompts=16, num_generations=4, prompts_per_step=2,

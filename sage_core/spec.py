@@ -52,7 +52,7 @@ class RunSpec(BaseModel):
     lookahead: bool = Field(False, description="roll the search's next levels (and ada-est's allotted rounds) in "
                                                "the same pass when it stays no wider than the first rollout: fewer "
                                                "sequential passes for some unasked rollouts (counted as spent). On "
-                                               "in the tiny-cpu preset (SAGE -15% time there); unmeasured on GPUs")
+                                               "in the tiny-cpu preset (SAGE -13-15% time there); unmeasured on GPUs")
     rollout_budget: int | None = Field(None, ge=1, description="stop once this many completions were rolled out "
                                                                "(compare methods on equal sampling cost)")
 

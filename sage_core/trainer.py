@@ -305,9 +305,14 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         if self.use_vllm or not self.args.sage_shared_prefill or self._prefill_failed or self._sharded or multimodal:
             yield
             return
-        model, gen = self.accelerator.unwrap_model(self.model_wrapped), self.generation_config
-        if (_multimodal(model) or (gen.num_beams or 1) > 1 or (gen.num_return_sequences or 1) > 1
-                or gen.cache_implementation is not None or _dropout_active(model)):
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+
+        def setting(name):  # generate fills what TRL's config leaves unset from the model's own
+            value = getattr(self.generation_config, name, None)
+            return getattr(model.generation_config, name, None) if value is None else value
+
+        if (_multimodal(model) or (setting("num_beams") or 1) > 1 or (setting("num_return_sequences") or 1) > 1
+                or setting("cache_implementation") is not None or _dropout_active(model)):
             yield
             return
         plain, own = model.generate, model.__dict__.get("generate")

@@ -40,20 +40,26 @@ def test_an_append_layer_holds_what_a_dynamic_layer_holds_through_any_cache_oper
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     dyn, app = DynamicLayer(), AppendLayer(limit=rng.choice([None, 1, 6, 40]))
     B, H, D = 4, 2, 3
-    for _ in range(40):
+    for _ in range(60):
         t = dyn.get_seq_length()
         op = rng.choice(["update"] * 5 + ["crop", "select", "reorder", "repeat", "reset"])
-        if op == "update":
+        if op == "update":  # now and then in another dtype (autocast): both then hold the promoted one
             n = rng.choice([1, 1, 1, 5])
-            arg = (torch.randn(B, H, n, D, generator=gen), torch.randn(B, H, n, D, generator=gen))
+            kd, vd = (rng.choice([torch.float32] * 3 + [torch.bfloat16]) for _ in range(2))
+            arg = (torch.randn(B, H, n, D, generator=gen).to(kd), torch.randn(B, H, n, D, generator=gen).to(vd))
         elif op == "crop":
             if t < 2:
                 continue
             arg = -rng.randint(1, t - 1)
-        elif op in ("select", "reorder"):
+        elif op == "select":  # some rows, in any order
             if t == 0:
                 continue
-            arg = torch.tensor(sorted(rng.sample(range(B), k=B)) if op == "reorder" else rng.sample(range(B), k=B))
+            arg = torch.tensor(rng.sample(range(B), k=rng.randint(1, B)))
+            B = len(arg)
+        elif op == "reorder":
+            if t == 0:
+                continue
+            arg = torch.tensor(rng.sample(range(B), k=B))
         elif op == "repeat":
             if t == 0 or B > 8:
                 continue
@@ -66,6 +72,7 @@ def test_an_append_layer_holds_what_a_dynamic_layer_holds_through_any_cache_oper
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         assert app.get_seq_length() == dyn.get_seq_length()
         if dyn.get_seq_length():
+            assert app.keys.dtype == dyn.keys.dtype and app.values.dtype == dyn.values.dtype
             assert torch.equal(app.keys, dyn.keys) and torch.equal(app.values, dyn.values)
 
 
@@ -97,15 +104,20 @@ def model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
 
 
-def _groups(G=8, lens=(9, 23, 31), seed=0):
-    """Left-padded prompts of different lengths, each repeated G times in a row (TRL's rollout layout)."""
+def _groups(G=8, lens=(9, 23, 31), seed=0, shuffle=False):
+    """Left-padded prompts of different lengths, each repeated G times in a row (TRL's rollout layout), or with the
+    rows in a random order (a prompt's rows apart)."""
     gen = torch.Generator().manual_seed(seed)
     P = max(lens)
     ids, mask = torch.zeros(len(lens), P, dtype=torch.long), torch.zeros(len(lens), P, dtype=torch.long)
     for i, n in enumerate(lens):
         ids[i, P - n:] = torch.randint(5, 400, (n,), generator=gen)
         mask[i, P - n:] = 1
-    return ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+    ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+    if shuffle:
+        order = torch.randperm(ids.size(0), generator=gen)
+        ids, mask = ids[order], mask[order]
+    return ids, mask
 
 
 def _generate(model, ids, mask, conf, cache=None, seed=1):
@@ -116,12 +128,13 @@ def _generate(model, ids, mask, conf, cache=None, seed=1):
                               return_dict_in_generate=True, **kw)
 
 
-@pytest.mark.parametrize("sample,positions", [(False, True), (True, True), (False, False)])
-def test_generate_with_the_groups_cache_writes_the_same_rollouts(model, sample, positions):
-    """Greedy and sampled (same seed), with a forward that takes position_ids and one that does not: the same tokens
-    as generate's own prefill, and every step's scores equal within float rounding; the prompt's last token is the
-    only one generate still prefills."""
-    ids, mask = _groups()
+@pytest.mark.parametrize("sample,positions,shuffle", [(False, True, False), (True, True, False),
+                                                      (False, False, False), (True, True, True)])
+def test_generate_with_the_groups_cache_writes_the_same_rollouts(model, sample, positions, shuffle):
+    """Greedy and sampled (same seed), with a forward that takes position_ids and one that does not, a prompt's
+    rows together or apart: the same tokens as generate's own prefill, and every step's scores equal within float
+    rounding; the prompt's last token is the only one generate still prefills."""
+    ids, mask = _groups(shuffle=shuffle)
     conf = GenerationConfig(max_new_tokens=24, do_sample=sample, temperature=1.0, pad_token_id=0, eos_token_id=1)
     plain = _generate(model, ids, mask, conf)
     calls, forward = [], model.forward
@@ -242,3 +255,31 @@ def test_lora_adapters_are_in_the_groups_prefill(tiny_model_dir, tmp_path):
     with model.disable_adapter():
         base = _generate(model, ids, mask, conf)
     assert not torch.equal(base.sequences, plain.sequences)  # the adapters matter to these rollouts
+
+
+def test_lora_under_bf16_autocast_trains_with_the_groups_cache(tiny_model_dir, tmp_path, monkeypatch):
+    """accelerate wraps the PEFT model's forward in autocast, while generate runs the base model's forward: the
+    prefill runs the base model's too, so the cache holds what generate's steps append (seen: bf16 values beside
+    fp32 ones, and SDPA refusing the mix). One GRPO step with LoRA in bf16 rolls out with the cache."""
+    trainer = _trainer(tmp_path, method="grpo", lora_r=4, lora_alpha=8, bf16=True, max_steps=1)
+    assert trainer.args.bf16
+    calls, spy = _spied(trainer)
+    monkeypatch.setattr(type(trainer.model), "generate", spy)  # PEFT's generate, which calls the base model's
+    trainer.train()
+    assert calls and all(cached for _, cached in calls) and not trainer._prefill_failed
+
+
+@pytest.mark.parametrize("field,value", [("num_beams", 2), ("num_return_sequences", 2),
+                                         ("cache_implementation", "static")])
+def test_the_models_own_generation_config_can_rule_the_cache_out(tiny_model_dir, tmp_path, field, value):
+    """generate takes what TRL's config leaves unset from the model's generation_config (a checkpoint's
+    generation_config.json): beams, several sequences per row or a cache implementation of its own there leave
+    generate as it is (with the cache, beams would expand the rows and not the cache)."""
+    trainer = _trainer(tmp_path, max_steps=1)
+    model = trainer.model
+    with trainer._shared_prefill(False):
+        assert "generate" in vars(model)  # wrapped, by default
+    assert "generate" not in vars(model)
+    setattr(model.generation_config, field, value)
+    with trainer._shared_prefill(False):
+        assert "generate" not in vars(model)
