@@ -137,3 +137,27 @@ def test_hint_drafts_are_the_hints_greedy_decoding_writes_on_the_gpu(tiny_model_
     checked = drafts.check(model, prompts, max_new)
     assert [t for t, _ in checked] == hints
     assert all(done for _, done in checked)  # each ended at its EOS or at the limit: no decode loop left
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_the_generation_cache_gives_generates_own_rollouts_on_the_gpu(tiny_model_dir, sample):
+    """HF generate handed the groups' cache (sage_core.generation_cache: each prompt prefilled once, keys appended
+    in place) writes, with CUDA's kernels and the same seed, the tokens of its own prefill, with every step's scores
+    within float rounding; a prompt's rows lie apart in the batch here."""
+    from test_generation_cache import _generate, _groups
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from sage_core.generation_cache import generation_cache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to("cuda").eval()
+    ids, mask = (t.to("cuda") for t in _groups(shuffle=True))
+    conf = GenerationConfig(max_new_tokens=24, do_sample=sample, temperature=1.0, pad_token_id=0, eos_token_id=1)
+    plain = _generate(model, ids, mask, conf)
+    cache = generation_cache(model, ids, mask, conf.max_new_tokens)
+    assert cache is not None and cache.layers[0].keys.device.type == "cuda"
+    shared = _generate(model, ids, mask, conf, cache)
+    assert torch.equal(plain.sequences, shared.sequences)
+    for a, b in zip(plain.scores, shared.scores, strict=True):
+        finite = torch.isfinite(a)
+        assert torch.equal(finite, torch.isfinite(b))
+        torch.testing.assert_close(a[finite], b[finite], atol=1e-4, rtol=1e-4)
