@@ -122,4 +122,3 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
         raise CacheUnsupported(f"a cache the model's forward did not read ({rows.get_seq_length()} positions after "
                                f"a chunk of {chunk.size(1)} on a prompt of {P - 1})")
     return out.log_probs[:, -C:], (out.entropy[:, -C:] if compute_entropy else None)
-

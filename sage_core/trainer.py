@@ -80,7 +80,7 @@ class SageConfig(GRPOConfig):
     sage_shared_prefill: bool = field(default=True, metadata={
         "help": "HF generate: prefill each distinct prompt once for the rows that repeat it (a group's G rows) and "
                 "hand generate their cache; the same logits up to float rounding. Not with vLLM (it caches prefixes "
-                "itself), ZeRO-3/FSDP, dropout, beams or a cache other than full attention"})
+                "itself), ZeRO-3/FSDP, dropout, beams, a cache_implementation or a cache other than full attention"})
     sage_hint_drafts: bool = field(default=True, metadata={
         "help": "a greedy hint (HF generate) is first checked in one forward against the hint last written for the "
                 "same request: a draft greedy decoding would write again needs no decode loop (the same hints)"})
@@ -324,7 +324,9 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                                                                       "generation_config"}:
                 return plain(*args, **kwargs)
             conf = kwargs.get("generation_config") or model.generation_config
-            new = conf.max_new_tokens if conf.max_new_tokens is not None else max(conf.max_length - ids.size(1), 0)
+            new = conf.max_new_tokens
+            if new is None:  # a growth hint only: the cache's buffer doubles past it
+                new = max((conf.max_length or 0) - ids.size(1), 0)
             try:
                 cache = generation_cache(model, ids, mask, new)
             except shared_prefix.CacheUnsupported as e:
