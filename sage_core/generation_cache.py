@@ -4,9 +4,8 @@ A group's G rows repeat one prompt, and generate's own prefill runs each of them
 the prompt minus its last token runs once per distinct prompt, its keys and values are copied to the rows that
 repeat it, and generate, handed that cache, runs only each row's last prompt token before decoding. Positions are
 generate's own (the mask's running count where the forward takes position_ids, so a row's left padding does not
-shift it), so the logits are its own up
-to float rounding: that token attends through the cache rather than inside one forward. A sampled token differs
-only where a draw falls within rounding of a tie.
+shift it), so the logits are its own up to float rounding: that token attends through the cache rather than inside
+one forward. A sampled token differs only where a draw falls within rounding of a tie.
 
 DynamicLayer concatenates each step's key onto the cache, copying the whole cache every step (on CPU that copy was
 about a third of a decode step at 64 rows). The rows' layers here are `AppendLayer`s: a buffer that doubles when full,
@@ -22,7 +21,7 @@ import inspect
 import torch
 from torch import nn
 
-from .shared_prefix import CacheUnsupported, DynamicCache, DynamicLayer, prompt_groups
+from .shared_prefix import DynamicCache, DynamicLayer, first_rows, full_attention_layers, prompt_groups
 
 
 class AppendLayer(DynamicLayer or object):  # (transformers without layered caches: never built)
@@ -87,20 +86,15 @@ def generation_cache(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     if DynamicCache is None:
         return None
     groups = torch.tensor(prompt_groups(input_ids, attention_mask), device=input_ids.device)
-    n_prompts = int(groups.max()) + 1 if groups.numel() else 0
-    if input_ids.size(1) < 2 or n_prompts == input_ids.size(0):
+    if input_ids.size(1) < 2 or not groups.numel() or int(groups.max()) + 1 == input_ids.size(0):
         return None
-    first = torch.full((n_prompts,), input_ids.size(0), device=input_ids.device).scatter_reduce(
-        0, groups, torch.arange(input_ids.size(0), device=input_ids.device), reduce="amin")
+    first = first_rows(groups)
     kw, model = {}, generating_module(model)  # the prefill runs as generate's own forwards will (autocast or not)
     if _takes_positions(model):  # generate then passes the mask's running count (else the model counts from 0)
         kw["position_ids"] = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)[first, :-1]
     pre = model(input_ids=input_ids[first, :-1], attention_mask=attention_mask[first, :-1], use_cache=True,
                 logits_to_keep=1, **kw)
-    cache = getattr(pre, "cache", None) or getattr(pre, "past_key_values", None)
-    layers = getattr(cache, "layers", None)
-    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
-        raise CacheUnsupported(f"{type(cache).__name__} with layers {sorted({type(x).__name__ for x in layers or []})}")
+    layers = full_attention_layers(pre)  # raises CacheUnsupported for any other kind
     rows = DynamicCache()
     rows.layers = []
     for layer in layers:

@@ -30,6 +30,13 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[i
     return torch.unique(key, dim=0, return_inverse=True)[1].tolist()
 
 
+def first_rows(groups: torch.Tensor) -> torch.Tensor:
+    """The first row of each group, for groups numbered 0..n-1 as prompt_groups numbers them."""
+    rows = torch.arange(groups.numel(), device=groups.device)
+    return torch.full((int(groups.max()) + 1,), groups.numel(), device=groups.device).scatter_reduce(
+        0, groups, rows, reduce="amin")
+
+
 def _replicator(groups: torch.Tensor):
     """`t -> t[groups]` (each row gets its prompt's slice) with a backward that sums a prompt's row gradients in a
     fixed order. Plain `t[groups]` accumulates them with index_put(accumulate=True), whose order PyTorch does not fix
@@ -89,6 +96,16 @@ class CacheUnsupported(RuntimeError):
     """The model's cache is not plain full attention (sliding windows, recurrent state, quantized, none)."""
 
 
+def full_attention_layers(output) -> list:
+    """The layers of the cache a forward returned; CacheUnsupported unless every one is a plain full-attention
+    DynamicLayer (not a sliding-window, recurrent or quantized one)."""
+    cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        raise CacheUnsupported(f"{type(cache).__name__} with layers {sorted({type(x).__name__ for x in layers or []})}")
+    return layers
+
+
 def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
             compute_entropy: bool, autocast) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of the last `logits_to_keep` tokens of each row, as TRL's fused forward
@@ -100,16 +117,12 @@ def forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
     if P < 2:
         raise ValueError(f"a shared prompt needs at least 2 prompt columns, got {P}")
     groups = torch.tensor(prompt_groups(input_ids[:, :P], attention_mask[:, :P]), device=input_ids.device)
-    first = torch.full((int(groups.max()) + 1,), input_ids.size(0), device=input_ids.device).scatter_reduce(
-        0, groups, torch.arange(input_ids.size(0), device=input_ids.device), reduce="amin")
+    first = first_rows(groups)
     name = cache_kwarg(model)
     with autocast():
         pre = model(input_ids=input_ids[first, :P - 1], attention_mask=attention_mask[first, :P - 1], use_cache=True,
                     logits_to_keep=1)
-    cache = getattr(pre, "cache", None) or getattr(pre, "past_key_values", None)
-    layers = getattr(cache, "layers", None)
-    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
-        raise CacheUnsupported(f"{type(cache).__name__} with layers {sorted({type(x).__name__ for x in layers or []})}")
+    layers = full_attention_layers(pre)
     of_rows = _replicator(groups)
     rows = DynamicCache(ddp_cache_data=[(of_rows(layer.keys), of_rows(layer.values)) for layer in layers])
     chunk = input_ids[:, P - 1:]

@@ -361,7 +361,7 @@ def test_hf_eval_prefills_each_prompt_once_for_its_k_samples_and_samples_the_sam
     cache cannot be shared samples every row as before."""
     import functools
 
-    from sage_core import generation_cache as gc_mod
+    from sage_core import shared_prefix
     from sage_core.evaluate import generate_hf
 
     model, tok = models.load_policy("tiny")
@@ -377,7 +377,7 @@ def test_hf_eval_prefills_each_prompt_once_for_its_k_samples_and_samples_the_sam
     shared = generate_hf(model, tok, texts, k=4, max_new_tokens=24, batch_size=12, seed=3)
     assert calls[0][0] == 3 and calls[1] == (12, 1)  # 3 prompts a call, prefilled once; then each row's last token
     calls.clear()
-    monkeypatch.setattr(gc_mod, "DynamicLayer", type("SlidingLayer", (), {}))
+    monkeypatch.setattr(shared_prefix, "DynamicLayer", type("SlidingLayer", (), {}))
     plain = generate_hf(model, tok, texts, k=4, max_new_tokens=24, batch_size=12, seed=3)
     assert calls[0][0] == 3 and calls[1][0] == 12 and calls[1][1] > 1  # refused once: generate prefills all rows
     assert all(shape[0] == 12 for shape in calls[2:] if shape[1] > 1)

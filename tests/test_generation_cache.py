@@ -11,7 +11,6 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
-from sage_core import generation_cache as gc_mod
 from sage_core import shared_prefix
 from sage_core.generation_cache import AppendLayer, generation_cache
 from sage_core.tracker import read_tracker
@@ -171,7 +170,7 @@ def test_a_batch_without_repeated_prompts_gets_no_cache(model):
 
 def test_a_cache_that_is_not_full_attention_is_refused(model, monkeypatch):
     ids, mask = _groups(G=2)
-    monkeypatch.setattr(gc_mod, "DynamicLayer", type("SlidingLayer", (), {}))
+    monkeypatch.setattr(shared_prefix, "DynamicLayer", type("SlidingLayer", (), {}))
     with pytest.raises(shared_prefix.CacheUnsupported, match="DynamicLayer"):
         generation_cache(model, ids, mask, 8)
 
@@ -226,7 +225,7 @@ def test_the_trainer_hands_generate_the_groups_cache_and_trains_the_same(tiny_mo
 def test_a_model_whose_cache_cannot_be_shared_generates_plain_once_warned(tiny_model_dir, tmp_path, monkeypatch,
                                                                             caplog):
     trainer = _trainer(tmp_path, max_steps=1)
-    monkeypatch.setattr(gc_mod, "DynamicLayer", type("SlidingLayer", (), {}))
+    monkeypatch.setattr(shared_prefix, "DynamicLayer", type("SlidingLayer", (), {}))
     calls, spy = _spied(trainer)
     monkeypatch.setattr(type(trainer.model), "generate", spy)
     with caplog.at_level(logging.WARNING, logger="sage_core.trainer"):
