@@ -953,7 +953,13 @@ def _groups_by_prompt_id(rows: list[dict], G: int) -> list[tuple[str, list[int]]
         raise ValueError("SAGE needs a unique `prompt_id` column in the dataset (groups are keyed by it)")
     groups: dict[str, list[int]] = defaultdict(list)
     for i, r in enumerate(rows):
-        groups[str(r["prompt_id"])].append(i)
+        pid = r["prompt_id"]
+        if not isinstance(pid, str):
+            # the scheduler, the hint sources and the tracker key a prompt by the row's own prompt_id: a str key here
+            # and an int there would never meet (SAGE-LIGHT's levels were observed under 3, asked for under "3")
+            raise ValueError(f"prompt_id must be a str, got {type(pid).__name__} {pid!r}: give the dataset a str "
+                             "prompt_id column (sage_core.data writes one)")
+        groups[pid].append(i)
     for pid, idx in groups.items():
         if len(idx) != G or idx != list(range(idx[0], idx[0] + G)):
             raise RuntimeError(f"prompt {pid!r} has rows {idx} on this process; expected {G} contiguous rows")

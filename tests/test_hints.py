@@ -33,6 +33,8 @@ def req(pid="p1", level=3, answer="9"):
     ("about 1234 coins", "1\\,234", True),
     ("about 17% of them", "17\\%", True),
     ("a 90 degree turn", "90^{\\circ}", True),
+    ("a 90 degree turn", "90\u00b0", True),
+    ("turn it by 45", "45\\degree", True),
     ("x = -3", "-3", True),
     # ... but as a standalone number: a larger number, a decimal, a step or a subtraction is not the answer
     ("17.5 coins", "17", False),

@@ -474,6 +474,9 @@ def test_groups_are_keyed_by_prompt_id_not_position():
         _groups_by_prompt_id([{"prompt_id": p} for p in "abab"], 2)
     with pytest.raises(ValueError, match="prompt_id"):
         _groups_by_prompt_id([{"x": 1}], 1)
+    # a non-str id would key the scheduler's state by 3 and its questions by "3": refused, not silently GRPO
+    with pytest.raises(ValueError, match="must be a str"):
+        _groups_by_prompt_id([{"prompt_id": 3}, {"prompt_id": 3}], 2)
 
 
 def test_rollout_budget_stops_training_when_spent():
