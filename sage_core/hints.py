@@ -73,14 +73,18 @@ class HintContext:
 # ----------------------------------------------------------------------------------------------- leak guard
 def _clean(s: str) -> str:
     """Typesetting that does not change a LaTeX expression removed ($, \\left/\\right, thin spaces), \\dfrac and
-    \\tfrac written \\frac, the Unicode minus written -, whitespace collapsed: the form answers and hints are
-    compared in."""
+    \\tfrac written \\frac, the Unicode minus written -, \u03c0 written \\pi, a root of one digit or letter
+    braced (\\sqrt3, \\sqrt 3 and \u221a3 are \\sqrt{3}; \u221a35 is \\sqrt{35}), whitespace collapsed:
+    the form answers and hints are compared in."""
     s = re.sub(r"\$|\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:!]", "", s)
-    s = re.sub(r"\\[dt]frac", r"\\frac", s).replace(MINUS, "-")
+    s = re.sub(r"\\[dt]frac", r"\\frac", s).replace(MINUS, "-").replace(PI, "\\pi ")
+    s = re.sub(r"\\sqrt\s*([0-9]|[A-Za-z](?![A-Za-z]))", r"\\sqrt{\1}", s)  # LaTeX: \sqrt 35 is \sqrt{3}5
+    s = re.sub(r"\u221a\s*(\d+|[A-Za-z](?![A-Za-z]))", r"\\sqrt{\1}", s)  # the sign: √35 is \sqrt{35}
     return re.sub(r"\s+", " ", s).strip().rstrip(".")
 
 
 MINUS = "\u2212"  # the Unicode minus sign, as some models write -3: read as "-"
+PI = "\u03c0"  # as some models write \\pi
 _TEXT = r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"  # \text{cm}: words inside maths
 
 

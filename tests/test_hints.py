@@ -75,6 +75,15 @@ def req(pid="p1", level=3, answer="9"):
     ("the point \\left(1, 2\\right)", "(1,2)", True),
     ("use 2 \\, \\sqrt{3}", "2\\sqrt{3}", True),
     ("the angle \\tfrac{\\pi}{2}", "\\frac{\\pi}{3}", False),
+    # a root of one digit or letter without braces, the root sign and \u03c0 as models write them
+    ("it is \\frac{\\sqrt3}{2}", "\\frac{\\sqrt{3}}{2}", True),
+    ("so 2\\sqrt 3 in all", "2\\sqrt{3}", True),
+    ("so 2\u221a3 in all", "2\\sqrt{3}", True),
+    ("a turn of 2\u03c0", "2\\pi", True),
+    ("a turn of \u03c0/2 first", "\\frac{\\pi}{2}", False),
+    ("the root \u221a35 here", "\\sqrt{3}", False),
+    ("the root \\sqrt{35} here", "\\sqrt3", False),
+    ("then \\sqrt x grows", "\\sqrt{x}", True),
     # numeric answers with a unit, in \text{}, after a variable, or with the sign in the numerator
     ("The side is 5 cm long.", "5\\text{ cm}", True),
     ("so the answer is 12 inches", "12 \\text{ inches}", True),
