@@ -15,6 +15,7 @@ every round gathers the work counts and pads each process to the largest.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from torch import nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
-from trl.trainer.utils import RepeatSampler
+from trl.trainer.utils import RepeatSampler, is_async_callable
 
 from . import gate, shared_prefix
 from .curation import Weighted
@@ -563,8 +564,14 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
         kwargs = {k: [r.get(k) for r in rows] for k in keys}
         kwargs.update(trainer_state=self.state, log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
-        for i, func in enumerate(self.reward_funcs):
+        for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names, strict=True)):
             out = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+            if is_async_callable(func):  # on TRL's event loop, as TRL runs its async reward functions
+                out = asyncio.run_coroutine_threadsafe(out, self.async_loop).result()
+            out = list(out)
+            if len(out) != len(rows):
+                raise ValueError(f"The reward function '{name}' returned {len(out)} rewards, but {len(rows)} were "
+                                 "expected (one per prompt-completion pair)")
             rpf[:, i] = torch.tensor([torch.nan if r is None else float(r) for r in out])
         return rpf
 

@@ -1122,3 +1122,29 @@ def test_keep_checkpoints_keeps_the_newest_or_every_one(tiny_model_dir, tmp_path
     assert names(tmp_path / "all") == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     train(spec.model_copy(update={"keep_checkpoints": 1, "max_steps": 4}), tmp_path / "all")
     assert names(tmp_path / "all") == ["checkpoint-4"]
+
+
+def test_re_rolls_are_scored_by_async_reward_functions_and_a_short_reward_list_is_named(tiny_model_dir, tmp_path):
+    """Re-rolls are scored by the trainer itself (_score, no gather): an async reward function runs on TRL's event
+    loop and scores as its sync twin; one that returns a reward too few is named, as TRL names it."""
+    from sage_core.reward import boxed_reward
+    from sage_core.train import _trainer_inputs
+    from sage_core.trainer import SageGRPOTrainer
+
+    async def async_boxed(completions, answer, **kwargs):
+        return boxed_reward(completions, answer, **kwargs)
+
+    def one_short(completions, answer, **kwargs):
+        return boxed_reward(completions, answer, **kwargs)[:-1]
+
+    args, dataset, model, tokenizer = _trainer_inputs(small("sage"), tmp_path)
+    trainer = SageGRPOTrainer(model=model, reward_funcs=[boxed_reward, async_boxed], args=args,
+                              train_dataset=dataset, processing_class=tokenizer)
+    rows = [dict(r) for r in dataset][:3]
+    texts = [f"so \\boxed{{{rows[0]['answer']}}}", "no idea", f"it is \\boxed{{{rows[2]['answer']}}}"]
+    comps = [[{"role": "assistant", "content": t}] for t in texts]
+    rpf = trainer._score(rows, [r["prompt"] for r in rows], comps, [[1]] * 3)
+    assert rpf.tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
+    trainer.reward_funcs, trainer.reward_func_names = [one_short], ["one_short"]
+    with pytest.raises(ValueError, match="'one_short' returned 2 rewards, but 3 were expected"):
+        trainer._score(rows, [r["prompt"] for r in rows], comps, [[1]] * 3)
