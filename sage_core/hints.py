@@ -240,10 +240,12 @@ def _drop_list_labels(hint: str) -> str:
 
 
 def _quantities(hint: str) -> str:
-    """The hint as the numeric leak check reads it: the Unicode minus written -, LaTeX digit grouping written plainly
+    """The hint as the numeric leak check reads it: the Unicode minus written -, a spaced sign after = joined to
+    its number, LaTeX digit grouping written plainly
     (10{,}000, 10,\\!000 and 10\\,000 are 10,000), and the numbers that name no quantity left out: exponents and
     subscripts (x^2, 3^{4}, a_1), step numbers (Step 2) and list labels (1. Let n be ...)."""
     h = _drop_list_labels(hint.replace(MINUS, "-"))
+    h = re.sub(r"(=\s*)-\s+(?=\.?\d)", r"\1-", h)  # x = - 5: after =, a spaced minus is a sign, not a subtraction
     h = re.sub(r"\{,\}", ",", h)
     h = re.sub(r"(?<=\d),?\\[,!;:]\s*(?=\d{3}(?!\d))", ",", h)
     h = re.sub(r"[\^_]\s*(?:\{[^{}]*\}|-?\d+(?:\.\d+)?)", "p", h)  # a letter: x^2-4 stays a subtraction

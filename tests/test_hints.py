@@ -36,6 +36,9 @@ def req(pid="p1", level=3, answer="9"):
     ("a 90 degree turn", "90\u00b0", True),
     ("turn it by 45", "45\\degree", True),
     ("x = -3", "-3", True),
+    ("so x = - 3 here", "-3", True),
+    ("so x = \u2212 3 here", "-3", True),
+    ("so x = 12 - 3 here", "-3", False),
     # ... but as a standalone number: a larger number, a decimal, a step or a subtraction is not the answer
     ("17.5 coins", "17", False),
     ("0.5 of it", "5", False),
