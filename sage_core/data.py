@@ -299,6 +299,10 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
                 raise DataError(f"{path.resolve()}: a JSON object needs a list under '{split}', 'data' or 'rows'")
         if not isinstance(data, list):
             raise DataError(f"{path.resolve()}: expected a list of records")
+        for i, record in enumerate(data):  # as _json_lines checks each line: a row is an object with columns
+            if not isinstance(record, Mapping):
+                raise DataError(f"{path.resolve()}: row {i} is a JSON {_json_type(record)}, not an object with "
+                                "columns")
         return data, str(path.resolve())
     import datasets
     import datasets.exceptions
@@ -386,6 +390,13 @@ def _shortest_floats(table: Any) -> Any:
     return table
 
 
+def _json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type (null, boolean, number, string, array)."""
+    return ("null" if value is None else "boolean" if isinstance(value, bool) else "number"
+            if isinstance(value, (int, float)) else "string" if isinstance(value, str) else "array"
+            if isinstance(value, list) else type(value).__name__)
+
+
 def _json_lines(text: str, path: Path | str) -> list[dict[str, Any]]:
     """One JSON object per non-blank line; the first bad line is named (1-based) with what it starts with."""
     records = []
@@ -465,6 +476,7 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
     for i, r in enumerate(records, first_row):
         prompt = r.get("prompt")
         problem = first(r, PROBLEM_ALIASES)
+        has_problem = problem is not None
         if _is_blank(prompt) or (isinstance(prompt, list) and not prompt):
             if problem is None:
                 raise DataError(f"{source}: row {i} has no 'prompt' (or 'problem'/'question'), or only a blank one; "
@@ -475,11 +487,13 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
         except (KeyError, TypeError) as e:
             raise DataError(f"{source}: row {i}: 'prompt' must be a string or a list of {{role, content}} messages, "
                             f"got {str(prompt)[:80]!r}") from e
+        users = [m["content"] for m in chat if m["role"] == "user"]
         if problem is None:
-            users = [m["content"] for m in chat if m["role"] == "user"]
             if not users:
                 raise DataError(f"{source}: row {i}: the prompt has no user turn")
             problem = users[-1]
+        if users and not users[-1].strip():  # as a blank string prompt: no question to ask (nor to hint)
+            raise DataError(f"{source}: row {i}: the prompt's last user turn is blank: there is no question in it")
         solution = first(r, ("solution", "reward_model.solution"))
         if boxed_in_solution:
             answer = extract_boxed(str(solution or ""))
@@ -509,6 +523,14 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
             no_solution += 1
             solution = ""
         pid = first(r, (*ID_ALIASES, "extra_info.index"))
+        fields = {"problem": str(problem), "prompt": "".join(m["content"] for m in chat), "solution": str(solution),
+                  "answer": gold, "prompt_id": "" if pid is None else str(pid)}
+        if not has_problem:  # the problem is the prompt's user turn: the prompt is what to name
+            fields.pop("problem")
+        for name, text in fields.items():  # pyarrow, hashlib and tokenizers refuse them, deep down, naming no row
+            if (bad := _lone_surrogate(text)) is not None:
+                raise DataError(f"{source}: row {i}: its '{name}' is not valid Unicode text: it holds a lone "
+                                f"surrogate ({bad}), as a JSON string cut inside an emoji's \\uXXXX pair does")
         if pid is None:
             pid = "h-" + hashlib.sha1(str(problem).encode()).hexdigest()[:12]
         diff = r.get("difficulty")
@@ -534,6 +556,16 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
         warnings.warn(msg, stacklevel=3)
     check_unique(rows, source)
     return rows
+
+
+def _lone_surrogate(text: str) -> str | None:
+    """Where `text` holds a code point UTF-8 cannot encode (a lone surrogate, which JSON's \\ud83d escapes can give):
+    the code point and the text around it; None for valid Unicode text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"U+{ord(text[e.start]):04X} at character {e.start}: {text[max(0, e.start - 30):e.end + 30]!r}"
+    return None
 
 
 def check_unique(rows: Sequence[Mapping[str, Any]], source: str) -> None:

@@ -274,6 +274,25 @@ def test_blank_or_nested_cells_are_named_by_row(tmp_path, cells, needle):
             load_rows(str(pq))
 
 
+@pytest.mark.parametrize("content,needle", [("[1, 2]", "row 0 is a JSON number"),
+                                            ('[{"problem": "p", "answer": "1"}, "q"]', "row 1 is a JSON string"),
+                                            ('{"data": [null]}', "row 0 is a JSON null"),
+                                            ('[[["problem", "p"]]]', "row 0 is a JSON array")])
+def test_a_json_file_whose_rows_are_not_objects_is_named_by_row(tmp_path, content, needle):
+    """A .json list (or a list under 'data'/'rows'/the split) of things that are not objects: a DataError naming the
+    file and the row, as for a JSON lines file, not a TypeError from dict() deep in normalise_records; a hints file
+    (read by the same reader) too."""
+    from sage_core.hints import read_hint_variants
+
+    path = tmp_path / "rows.json"
+    path.write_text(content)
+    with pytest.raises(data.DataError, match=needle) as e:
+        load_rows(str(path))
+    assert str(path) in str(e.value) and "not an object with columns" in str(e.value)
+    with pytest.raises(data.DataError, match=needle):
+        read_hint_variants(path)
+
+
 def test_unsupported_file_types_and_folders_are_named(tmp_path):
     csv = tmp_path / "rows.csv"
     csv.write_text("prompt,answer\nq,1\n")
@@ -286,10 +305,40 @@ def test_unsupported_file_types_and_folders_are_named(tmp_path):
         load_rows(str(folder))
 
 
+@pytest.mark.parametrize("prompt", [[{"role": "user", "content": "   "}],
+                                    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""}],
+                                    [{"role": "user", "content": [{"type": "text", "text": " "}]}]])
+def test_a_chat_prompt_with_a_blank_user_turn_is_named_by_row(tmp_path, prompt):
+    """A chat prompt whose user turn is blank is no question, as a blank string prompt is not: a DataError naming
+    the row, not a row trained on an empty question (and, for two such rows, a misleading error about the hash id
+    their blank problems share)."""
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 2 ?"}], "answer": "4"},
+            {"prompt": prompt, "answer": "7"}, {"prompt": prompt, "answer": "8"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(data.DataError, match=r"rows.jsonl: row 1: the prompt's last user turn is blank"):
+        load_rows(str(path))
+
+
 def test_an_unknown_dataset_name_offline_is_a_data_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no local folder of that name
     with pytest.raises(data.DataError, match="no_such_dataset: no such local file or folder; as a Hugging Face"):
         load_rows("no_such_dataset")
+
+
+@pytest.mark.parametrize("column", ["problem", "solution", "answer", "id"])
+def test_text_that_is_not_valid_unicode_is_named_by_row(tmp_path, column):
+    """JSON may escape half of an emoji's surrogate pair ("\ud83d", a string cut by a tool counting UTF-16 units):
+    Python decodes it to a lone surrogate, which no UTF-8 writer takes. It failed deep in hashlib or in pyarrow
+    (datasets' from_list) with a UnicodeEncodeError naming no file or row; now a DataError names both and the
+    column."""
+    row = {"problem": "What is 2 + 2 ?", "solution": "2 + 2 = 4 .", "answer": "4", "id": "a"}
+    bad = json.dumps(row | {"id": "b", column: "x"}).replace('"x"', '"5 \\ud83d"')
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row) + "\n" + bad + "\n")
+    with pytest.raises(data.DataError, match=rf"rows.jsonl: row 1: its '{'prompt_id' if column == 'id' else column}' "
+                                             r"is not valid Unicode text: it holds a lone surrogate \(U\+D83D"):
+        load_rows(str(path))
 
 
 def test_build_dataset_and_held_out_eval_rows():
