@@ -90,7 +90,9 @@ class PromptTracker:
         return path
 
     def files(self, up_to_step: int | None = None) -> list[Path]:
-        files = sorted(self.dir.glob("step_*.parquet"))
+        """The step files (`step_000012.parquet`), in step order; other names the glob matches (a user's copy,
+        `step_000012 (copy).parquet`) are no step's file: never read, counted or deleted."""
+        files = step_files(self.dir)
         if up_to_step is not None:
             files = [f for f in files if step_of(f.name) <= up_to_step]
         return files
@@ -140,7 +142,7 @@ def _unreadable(path: Path, e: Exception) -> DataError:
 
 def read_tracker(directory: str | Path, columns: list[str] | None = None) -> pd.DataFrame:
     """All tracker files of a run as one frame (pyarrow reads only the requested columns)."""
-    files = sorted(Path(directory).glob("step_*.parquet"))
+    files = step_files(directory)
     if not files:
         df = pd.DataFrame(columns=columns or COLUMNS)
     else:
@@ -171,6 +173,12 @@ def _isnan(x) -> bool:
         return math.isnan(x)
     except TypeError:
         return False
+
+
+def step_files(directory: str | Path) -> list[Path]:
+    """The tracker files of `directory` (names step_of reads), in step order."""
+    return sorted((f for f in Path(directory).glob("step_*.parquet") if step_of(f.name) is not None),
+                  key=lambda f: step_of(f.name))
 
 
 def step_of(name: str) -> int | None:

@@ -166,3 +166,23 @@ def test_replay_reads_only_its_columns_and_rebuilds_the_full_reads_state(tmp_pat
                 assert type(v) is list and v == [float(x) for x in ref] and all(type(x) is float for x in v)
             else:
                 assert v == ref and type(v) in (int, str, bool), (c, v, ref)
+
+
+def test_other_files_beside_the_step_files_are_no_steps(tmp_path):
+    """A file the step glob matches but whose name is no step's (a user's copy, `step_000002 (copy).parquet`) made
+    files(), discard_after() and reload() fail with a TypeError (None <= int): a resume (check_tracker_files) died
+    with a traceback. It is no step's file: never read, counted or deleted; read_tracker leaves it out too."""
+    import shutil
+
+    from sage_core.tracker import read_tracker
+
+    tracker = PromptTracker(tmp_path)
+    for step in (1, 2, 3):
+        tracker.record(step, [{"prompt_id": "a", "level": 0, "pass_rate": 0.5, "rewards": [1.0, 0.0],
+                               "pilot_rewards": []}])
+    copy = tmp_path / "step_000002 (copy).parquet"
+    shutil.copy(tmp_path / "step_000002.parquet", copy)
+    assert [f.name for f in tracker.files(2)] == ["step_000001.parquet", "step_000002.parquet"]
+    assert [r["step"] for r in PromptTracker(tmp_path, write=False).reload(3)] == [1, 2, 3]
+    assert [f.name for f in tracker.discard_after(2)] == ["step_000003.parquet"]
+    assert copy.exists() and sorted(read_tracker(tmp_path)["step"]) == [1, 2]
