@@ -845,9 +845,12 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
             files.update(cb.checkpoint_files() if hasattr(cb, "checkpoint_files") else {})
         if self.accelerator.is_main_process:
             ckpt = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            for name, obj in files.items():
-                with open(os.path.join(ckpt, name), "w") as f:
+            for name, obj in files.items():  # each one whole or not there: a kill mid-write leaves no half file
+                path = os.path.join(ckpt, name)
+                tmp = os.path.join(ckpt, f".{name}.{os.getpid()}.tmp")
+                with open(tmp, "w") as f:
                     json.dump(obj, f)
+                os.replace(tmp, path)
 
     def restore_state(self, up_to_step: int, checkpoint: str | os.PathLike | None = None) -> int:
         """Take this process's place in the fresh-prompt pool and its scheduler generator from `checkpoint`, and the
@@ -899,8 +902,16 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         path = os.path.join(checkpoint, name) if checkpoint is not None else None
         if path is None or not os.path.exists(path):
             return None
-        with open(path) as f:
-            saved = json.load(f)
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+            if not isinstance(saved, list):
+                raise ValueError("not a list of one entry per process")
+        except (OSError, ValueError) as e:  # no other record of it to fall back on (train.check_checkpoint refuses it)
+            from .data import DataError
+
+            raise DataError(f"{path} cannot be read ({e}); remove {os.path.basename(os.path.normpath(checkpoint))} "
+                            "to resume from the checkpoint before it, or start over (--no-resume)") from e
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         if len(saved) != world:  # each process has its own: the draws cannot follow the straight run
             log.warning("%s: saved by %d processes, resumed by %d: %s after the resume differ from the straight "

@@ -1148,3 +1148,35 @@ def test_re_rolls_are_scored_by_async_reward_functions_and_a_short_reward_list_i
     trainer.reward_funcs, trainer.reward_func_names = [one_short], ["one_short"]
     with pytest.raises(ValueError, match="'one_short' returned 2 rewards, but 3 were expected"):
         trainer._score(rows, [r["prompt"] for r in rows], comps, [[1]] * 3)
+
+
+@pytest.mark.parametrize("content", ["", "[1", "{}"])
+def test_a_checkpoints_prompt_pool_or_scheduler_rng_file_that_does_not_read_is_refused(tmp_path, content):
+    """HF's Trainer rotates older checkpoints away before the trainer writes its side files into the new one: with
+    keep_checkpoints=1 a kill while writing them leaves the only checkpoint with a half-written (or empty)
+    sage_prompt_pool.json / sage_scheduler_rng.json, which the resume then read with a bare JSONDecodeError naming no
+    file, after the policy had loaded. check_checkpoint refuses it first, naming it (and restore_state too)."""
+    from types import SimpleNamespace
+
+    from sage_core.data import DataError
+    from sage_core.train import check_checkpoint
+    from sage_core.trainer import POOL_FILE, RNG_FILE, SageGRPOTrainer
+
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text("{}")
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        torch.save({}, ckpt / name)
+    check_checkpoint(ckpt)
+    for name in (POOL_FILE, RNG_FILE):
+        (ckpt / name).write_text(content)
+        with pytest.raises(DataError) as e:
+            check_checkpoint(ckpt)
+        assert str(e.value).startswith(f"{ckpt / name} cannot be read") and str(e.value).endswith(
+            "remove checkpoint-2 to resume from the checkpoint before it, or start over (--no-resume)"), e.value
+        me = SimpleNamespace(accelerator=SimpleNamespace(process_index=0, num_processes=1))
+        with pytest.raises(DataError, match=f"{name} cannot be read"):
+            SageGRPOTrainer._saved_by_process(me, str(ckpt), name, "the draws")
+        (ckpt / name).write_text("[3]")
+        check_checkpoint(ckpt)
+        assert SageGRPOTrainer._saved_by_process(me, str(ckpt), name, "the draws") == 3
