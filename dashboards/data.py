@@ -694,7 +694,10 @@ def prompt_summary(frame: pd.DataFrame) -> pd.DataFrame:
         _coll=collapsed_mask(frame),
         # solved: a correct rollout at all, the trained group's or a tried hint level's (as sage/never_solved)
         _solved=(frame["pass_rate"].fillna(0) > 0) | _any_level_solved(frame),
-        _solved_base=frame["base_pass_rate"].fillna(0) > 0,
+        # solved without a hint: a correct rollout in the first no-hint group, or in a group trained at level 0
+        # (ada-seq's later rounds: the first group all-0, the pooled one not), as sage/never_solved_no_hint
+        _solved_base=(frame["base_pass_rate"].fillna(0) > 0) | ((frame["level"] == 0)
+                                                              & (frame["pass_rate"].fillna(0) > 0)),
     )
     g = f.groupby("prompt_id", observed=True)
     out = pd.DataFrame({
