@@ -93,7 +93,8 @@ else:
 st.subheader("Gate-open rate vs pass rate")
 run_id = D.pick_run(ctx, "gate_run", label="Run for the gate-open curve")
 r = ctx.run(run_id)
-G = r["num_generations"] or None
+G = r["num_generations"]  # NaN where other runs of the experiment have the param and this one has not
+G = None if G is None or pd.isna(G) else int(G)
 frame, n_files = D.tracker_for(ctx, run_id)
 if frame.empty:
     st.info("This run has no per-prompt tracker files (`tracker/step_*.parquet`).")
