@@ -36,6 +36,10 @@ children = children.assign(variant=[D.variant_label(m, h) for m, h in zip(childr
                                                                           children["hint_source"])])
 dup = children["variant"].duplicated(keep=False)
 children.loc[dup, "variant"] = children.loc[dup, "variant"] + " · " + children.loc[dup, "run_name"]
+# runs of one name too (a variant trained again in its study: force=true, or sage-teacher with another teacher):
+# their run ids tell them apart, or their curves and eval rows would be merged (averaged) as one run's
+dup = children["variant"].duplicated(keep=False)
+children.loc[dup, "variant"] = children.loc[dup, "variant"] + " (" + children.loc[dup, "run_id"].str[:8] + ")"
 children = children.assign(_rank=children["variant"].map(D.variant_rank)).sort_values(["_rank", "variant"])
 order = list(children["variant"])
 
