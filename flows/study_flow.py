@@ -45,6 +45,7 @@ from flows.common import end_status, resolve_benchmarks, row_from_run, runs_root
 from flows.params import PresetName, SpecPatch, resolve_spec, with_spec_overrides
 from flows.train_flow import Launcher, sage_train
 from sage_core import tracking
+from sage_core.data import heldout_name
 from sage_core.spec import RunSpec
 
 # variant name -> RunSpec fields it sets (on top of the study's base spec)
@@ -202,15 +203,23 @@ def failed_row(experiment: str, parent_id: str, name: str, seed: int, vspec: Run
     row of its names alone where it failed before it had a run."""
     runs = tracking.find_runs(experiment, spec_key=vspec.key(), kind="train", parent_run_id=parent_id)
     if runs:
-        return {**row_from_run(runs[0].info.run_id, list(benchmarks) if benchmarks else None), "variant": name,
+        return {**row_from_run(runs[0].info.run_id, study_benchmarks(vspec, benchmarks)), "variant": name,
                 "status": "FAILED"}
     return {"variant": name, "method": vspec.method, "seed": seed,
             "hint_source": vspec.hint_source if vspec.uses_hints else "none", "status": "FAILED"}
 
 
-def earlier_rows(experiment: str, parent_id: str, planned: set[tuple[str, int]]) -> list[dict[str, Any]]:
+def study_benchmarks(spec: RunSpec, benchmarks: dict[str, str] | None) -> list[str]:
+    """The names of the benchmarks a study's rows average over: its benchmark files, else the held-out set (a
+    child's eval table may hold others too: a `sage-eval` logged into it with log_to_run)."""
+    return list(benchmarks) if benchmarks else [heldout_name(spec)]
+
+
+def earlier_rows(experiment: str, parent_id: str, planned: set[tuple[str, int]],
+                 benchmarks: list[str] | None = None) -> list[dict[str, Any]]:
     """Result rows of the study run's complete children that this call did not plan: variants and seeds an earlier
-    call finished (the newest run of each variant and seed), so that the study's tables cover all it holds."""
+    call finished (the newest run of each variant and seed), so that the study's tables cover all it holds; their
+    evals averaged over `benchmarks` (names), as this call's rows are."""
     newest: list[str] = []
     seen = set(planned)
     for run in tracking.find_runs(experiment, kind="train", parent_run_id=parent_id, complete=True):  # newest first
@@ -219,7 +228,7 @@ def earlier_rows(experiment: str, parent_id: str, planned: set[tuple[str, int]])
         if key not in seen:
             seen.add(key)
             newest.append(run.info.run_id)
-    return [{**row_from_run(rid), "skipped": True} for rid in reversed(newest)]  # in the order they trained
+    return [{**row_from_run(rid, benchmarks), "skipped": True} for rid in reversed(newest)]  # in the order they trained
 
 
 def _num(v: Any) -> float:
@@ -433,7 +442,8 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None
                 failed.append(run_name)
                 logger.error("variant %s failed: %s", run_name, state.message)
                 rows.append(failed_row(experiment, parent_id, name, seed, vspec, benchmarks))
-        rows += earlier_rows(experiment, parent_id, {(name, seed) for name, seed, _ in plan})
+        rows += earlier_rows(experiment, parent_id, {(name, seed) for name, seed, _ in plan},
+                             study_benchmarks(base, benchmarks))
         # by seed; within a seed, this call's variants in their order, then the earlier ones
         rows.sort(key=lambda r: -1 if r.get("seed") is None else r["seed"])
         table = comparison_table(rows)

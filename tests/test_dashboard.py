@@ -382,6 +382,28 @@ def test_gate_open_bins_use_the_other_groups_of_each_prompt(dashboard_store):
     assert D.gate_open_prob(0.0, 8) == 0.0 and D.gate_open_prob(1.0, 8) == 0.0
 
 
+def test_gate_page_asks_for_G_of_a_run_without_the_param_among_runs_with_it(monkeypatch, tmp_path):
+    """A run with tracker files but no `sage.num_generations` (an older run, another tool's) in an experiment whose
+    other runs have it: its G is NaN in the runs frame, and the page asks for it instead of failing on int(NaN)."""
+    try:
+        from tests.dashboard_fixtures import _store, build_store, make_prompts, tracker_step
+    except ImportError:
+        from dashboard_fixtures import _store, build_store, make_prompts, tracker_step
+    info = build_store(tmp_path / "s")
+    uri, client = _store(tmp_path / "s")
+    rid = client.create_run(info["experiment_id"], run_name="no-params").info.run_id
+    tdir = tmp_path / "tracker"
+    tdir.mkdir()
+    tracker_step(make_prompts(4), 1, 4, "sage", np.random.default_rng(0), "online", 1).to_parquet(
+        tdir / "step_000001.parquet")
+    client.log_artifacts(rid, str(tdir), "tracker")
+    client.set_terminated(rid, "FINISHED")
+    at = _ok(_app(monkeypatch, uri).run())
+    _select_runs(at, info["experiment_id"], [rid])
+    _ok(at.switch_page(PAGES["gate"]).run())
+    assert at.number_input(key="gate_G").value == 8
+
+
 def test_gate_page_overlays_selected_runs(monkeypatch, dashboard_store):
     s = dashboard_store
     at = _ok(_app(monkeypatch, s["uri"]).run())
@@ -394,6 +416,25 @@ def test_gate_page_overlays_selected_runs(monkeypatch, dashboard_store):
         per_step = fr.groupby("step")["base_state"].apply(lambda x: (x != "mixed").mean())
         got = summary.loc[summary["run"].str.contains(s[key]["run_id"][:8]), "collapsed before hints"].iloc[0]
         assert got == pytest.approx(per_step.mean())
+
+
+def test_never_solved_without_a_hint_counts_as_the_tracker_does(tmp_path):
+    """ada-seq: the first no-hint group of a prompt all-0, the pooled level-0 group it trained on not. The tracker
+    counts the prompt solved without a hint (sage/never_solved_no_hint); so must the Levels page's summary."""
+    from dashboards import data as D
+    from sage_core.tracker import PromptTracker
+
+    rows = [dict(step=1, prompt_id="a", difficulty=3, base_pass_rate=0.0, base_state="all0", level=0,
+                 max_level_tried=0, pass_rate=0.5, acc_l1=None, acc_l2=None, acc_l3=None, rescued=True,
+                 hint_failed=False, rollouts=12),
+            dict(step=1, prompt_id="b", difficulty=3, base_pass_rate=0.0, base_state="all0", level=0,
+                 max_level_tried=0, pass_rate=0.0, acc_l1=None, acc_l2=None, acc_l3=None, rescued=False,
+                 hint_failed=False, rollouts=16)]
+    tracker = PromptTracker(tmp_path, write=False)
+    tracker.record(1, [dict(r) for r in rows])
+    summary = D.prompt_summary(pd.DataFrame(rows)).set_index("prompt_id")
+    assert summary["never_solved_no_hint"].mean() == pytest.approx(tracker.never_solved_no_hint())
+    assert not summary.loc["a", "never_solved_no_hint"] and summary.loc["b", "never_solved_no_hint"]
 
 
 def test_levels_page_sorting_and_never_solved(monkeypatch, dashboard_store):
@@ -500,6 +541,28 @@ def test_variants_page_compares_the_study(monkeypatch, dashboard_store):
     spec = charts[1].proto.spec
     for label in ("GRPO", "SAGE-LIGHT", "SAGE (online)", "SAGE (fixed)", "SAGE (teacher)"):
         assert label in spec
+
+
+def test_variants_page_keeps_two_runs_of_one_name_apart(monkeypatch, tmp_path):
+    """A study's variant trained twice under one run name (sage-teacher re-run with another teacher, or force=true):
+    two rows in the eval table, never the mean of the two runs."""
+    try:
+        from tests.dashboard_fixtures import _experiment, _store, log_run
+    except ImportError:
+        from dashboard_fixtures import _experiment, _store, log_run
+
+    uri, client = _store(tmp_path)
+    exp = _experiment(client, tmp_path, "twice")
+    parent = client.create_run(exp, run_name="hint-study", tags={"sage.kind": "study"}).info.run_id
+    kw = dict(method="sage", hint_source="teacher", steps=2, n_prompts=4, parent=parent, tracker=False)
+    a = log_run(client, exp, name="sage-teacher", seed=1, eval_after=0.4, **kw)["run_id"]
+    b = log_run(client, exp, name="sage-teacher", seed=2, eval_after=0.6, **kw)["run_id"]
+    client.set_terminated(parent, "FINISHED")
+    at = _ok(_app(monkeypatch, uri).run())
+    _ok(at.switch_page(PAGES["variants"]).run())
+    table = _frame(at, "after")
+    assert len(table) == 2 and sorted(table["after"]) == [0.4, 0.6]
+    assert all(any(r[:8] in v for v in table["variant"]) for r in (a, b))
 
 
 def test_variants_eval_table_has_a_row_per_k(monkeypatch, tmp_path):

@@ -836,6 +836,26 @@ def test_the_study_key_leaves_out_what_each_variant_sets(tmp_path):
         variant_specs(base, [])
 
 
+def test_earlier_rows_average_over_the_study_benchmarks_only(tmp_path, monkeypatch):
+    """A child of an earlier call also scored on another set (`sage-eval` with log_to_run=<child>): its row in a
+    later call's table averages over the study's benchmarks, as that call's own rows do, not over every set."""
+    from flows.study_flow import earlier_rows, study_base, study_benchmarks
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    base = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    parent = tracking.open_run(study_base(base), "study", "e", run_name="study")
+    rid = tracking.open_run(base, "train", "e", run_name="grpo", parent_run_id=parent, tags={"sage.variant": "grpo"})
+    names = study_benchmarks(base, None)
+    for bench, acc in ((names[0], 0.3), ("math500", 0.05)):
+        table = pd.DataFrame([{"benchmark": bench, "k": 2, "avg_at_k": acc, "pass_at_k": acc, "n_prompts": 8}])
+        tracking.log_eval(table.assign(avg_at_k=0.2), "before", rid)
+        tracking.log_eval(table, "after", rid)
+    tracking.finish_run(rid)
+    (row,) = earlier_rows("e", parent, planned={("grpo", 1)}, benchmarks=names)
+    assert row["avg_at_k_after"] == pytest.approx(0.3) and row["avg_at_k_before"] == pytest.approx(0.2)
+
+
 def _comparison(parent_id: str, dst: Path) -> pd.DataFrame:
     dst.mkdir(parents=True, exist_ok=True)
     return pd.read_parquet(tracking.client().download_artifacts(parent_id, "study/comparison.parquet", str(dst)))
