@@ -53,6 +53,17 @@ def merge_adapter(spec: RunSpec, adapter_dir: str | Path, out_dir: str | Path) -
     return out
 
 
+def record_base(model, spec: RunSpec) -> None:
+    """A LoRA run whose `model` is itself a LoRA run's adapter folder (checkpoint-N/, adapter/): load_policy gave the
+    trainer that folder's base with its adapters merged, so peft would record the bare base (the merged model's
+    name_or_path) in this run's adapter_config.json, and its checkpoint-N/ and adapter/ would load (load_policy,
+    sage eval) without the first run's adapters. Record the adapter folder instead: load_policy merges both."""
+    if spec.lora_r is None or adapter_base(spec.model) is None:
+        return
+    for cfg in (getattr(model, "peft_config", None) or {}).values():
+        cfg.base_model_name_or_path = str(Path(spec.model).expanduser().resolve())
+
+
 def adapter_base(path: str | Path) -> str | None:
     """The base model a folder of LoRA adapters was trained on (a LoRA run's checkpoint-N/ or adapter/: peft's
     adapter_config.json, no config.json), or None for any other path."""

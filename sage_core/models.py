@@ -572,8 +572,10 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
     base = adapter_base(local) if gguf_file is None else None
     if base is not None:  # a LoRA run's checkpoint-N/ or adapter/: the base with these adapters merged
         model = merged_model(base, local, dtype=dtype)
-        tokenizer = load_tokenizer(local if (local / "tokenizer_config.json").is_file() else resolve_model_path(base))
-        return model, tokenizer
+        tok_from = str(local)  # its own tokenizer, else its base's (which may be a LoRA run's adapters in turn)
+        while not (Path(tok_from) / "tokenizer_config.json").is_file() and (up := adapter_base(tok_from)):
+            tok_from = resolve_model_path(up)
+        return model, load_tokenizer(tok_from)
     if local.exists():
         check_local_model(local, gguf_file)
     from safetensors import SafetensorError

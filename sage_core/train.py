@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 from transformers import TrainerCallback, TrainerState
 
-from .lora import ADAPTER_DIR, merge_adapter, peft_config
+from .lora import ADAPTER_DIR, merge_adapter, peft_config, record_base
 from .spec import RunSpec, check_run_folder, layout_error, spec_changes
 
 log = logging.getLogger(__name__)
@@ -300,6 +300,7 @@ def build_trl_grpo_trainer(spec: RunSpec, output_dir: str | Path, callbacks=()):
     args, dataset, model, tokenizer = _trainer_inputs(spec, output_dir)
     trainer = GRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=list(callbacks), peft_config=peft_config(spec))
+    record_base(trainer.model, spec)
     if spec.measure_activations:  # the same count as SageGRPOTrainer's, around TRL's own loss
         trainer._compute_loss = measured(trainer._compute_loss, trainer._metrics["train"])
     return trainer
@@ -323,10 +324,12 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=(), check_tea
                                max_rounds=spec.max_rounds, weighting=spec.weighting,
                                num_generations=spec.num_generations)
     callbacks = [*callbacks, SaveSteps(), *([RolloutBudget(spec.rollout_budget)] if spec.rollout_budget else [])]
-    return SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
-                           processing_class=tokenizer, callbacks=list(callbacks), scheduler=scheduler,
-                           hint_source=hint_source, peft_config=peft_config(spec),
-                           eval_rows=periodic_eval_rows(spec, tokenizer))
+    trainer = SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=list(callbacks), scheduler=scheduler,
+                              hint_source=hint_source, peft_config=peft_config(spec),
+                              eval_rows=periodic_eval_rows(spec, tokenizer))
+    record_base(trainer.model, spec)
+    return trainer
 
 
 def last_checkpoint(output_dir: str | Path) -> Path | None:

@@ -700,6 +700,26 @@ def test_lora_merge_keeps_the_base_checkpoints_dtype(tiny_model_dir, tmp_path):
     assert not torch.equal(want, want.to(torch.bfloat16).float())  # which the rounded merge would have lost
 
 
+def test_a_lora_run_from_a_lora_runs_adapters_saves_adapters_that_load_with_both(tiny_model_dir, tmp_path):
+    """model=<run1>/adapter with lora_r: the trainer trains on run1's merged model, so the adapters it saves must
+    name run1's adapter folder as their base, not the bare base model: else load_policy(<run2>/checkpoint-N), sage
+    eval and the eval flow load the base with run2's adapters only, silently without run1's."""
+    from sage_core.models import load_policy
+
+    spec1 = small("grpo", lora_r=2, lora_alpha=4)
+    lora_checkpoint(load_policy("tiny", dtype=torch.float32)[0], spec1, tmp_path / "run1" / "adapter", std=0.5)
+    spec2 = small("grpo", model=str(tmp_path / "run1" / "adapter"), lora_r=2, lora_alpha=4)
+    trainer = build_trainer(spec2, tmp_path / "run2")
+    for name, p in trainer.model.named_parameters():  # run2's own adapters, not zero
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    trainer.model.save_pretrained(tmp_path / "run2" / "adapter")
+    want = trainer.model.merge_and_unload().state_dict()
+    got = load_policy(str(tmp_path / "run2" / "adapter"), dtype=torch.float32)[0].state_dict()
+    k = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5)
+
+
 def test_an_adapter_folder_without_its_base_is_named(tmp_path):
     import json
 
