@@ -142,8 +142,14 @@ def generate_hf(model, tokenizer, texts: Sequence[str], k: int = 4, temperature:
     shared = [True]  # each prompt prefilled once for its k samples, until the model's cache turns out not to allow it
     try:
         device = next(model.parameters()).device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)
+        forked = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=forked):
+            # only what fork_rng gives back: torch.manual_seed would reseed every CUDA device, for good (a teacher
+            # model on CPU writing hints while the policy trains on CUDA reset the rollouts' RNG at every call)
+            torch.default_generator.manual_seed(seed)
+            for d in forked:
+                with torch.cuda.device(d):
+                    torch.cuda.manual_seed(seed)
             for start in range(0, len(texts), per_call):
                 chunk = list(texts[start:start + per_call])
                 enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)

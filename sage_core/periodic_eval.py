@@ -60,6 +60,9 @@ class NoHintEval:
         if every and self._eval_rows and step > self._evaluated_at and (step % every == 0 or self._last_step()):
             self._evaluated_at = step
             self.evaluate_no_hint()
+            # in this step's log, whatever logging_steps says: TRL's log() averages the metrics gathered since the
+            # last log, so two evals between logs came out as one mean at the later step
+            self.control.should_log = True
         return super()._maybe_log_save_evaluate(*args, **kwargs)
 
     def _last_step(self) -> bool:

@@ -68,6 +68,22 @@ def test_never_right_and_mixed_prompts(tok):
     assert [res["per_prompt"][r["prompt_id"]] for r in rows] == [1.0, 1.0, 0.0, 0.0]
 
 
+def test_hf_sampling_seed_touches_no_rng_it_does_not_give_back(tok, monkeypatch):
+    """generate_hf seeds its sampling inside fork_rng, which gives back the CPU state and the model's own CUDA
+    device only. torch.manual_seed reseeded every CUDA device as well, for good: a teacher model on CPU writing hints
+    (hints._local_model_generate) reset the CUDA RNG of a policy training on a GPU at every call."""
+    from sage_core.evaluate import generate_hf
+
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: seeded.append(("all", s)))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda s: seeded.append(("current", s)))
+    rows = data.synthetic_rows(2, seed=1)
+    before = torch.get_rng_state()
+    out = generate_hf(FakeModel(tok, rows), tok, [render_prompt(tok, r) for r in rows], k=2, seed=7)
+    assert seeded == [] and torch.equal(before, torch.get_rng_state())
+    assert len(out) == 2 and all(len(c) == 2 for c in out)
+
+
 def test_summarise_matches_definitions():
     rows = [{"prompt_id": "a", "answer": "1"}, {"prompt_id": "b", "answer": "2"}]
     comps = [["\\boxed{1}", "\\boxed{0}"], ["\\boxed{0}", "no"]]

@@ -1114,6 +1114,19 @@ def test_the_eval_generates_in_calls_as_wide_as_a_steps_rollouts_and_once_a_prom
     assert avg * 10 == pytest.approx(round(avg * 10))  # 5 prompts x 2 samples: a multiple of 1/10
 
 
+def test_each_eval_is_logged_with_its_own_step_whatever_logging_steps(tiny_model_dir, tmp_path):
+    """SageGRPOTrainer used with logging_steps > 1 (TRL's default is 10; sage_core.train sets 1): the evals of the
+    steps between two logs were averaged by TRL's log() into one value at the later step."""
+    spec = small("grpo", num_prompts=4, prompts_per_step=2, num_generations=4, max_completion_length=24, max_steps=2,
+                 eval_every=1, eval_num_prompts=4, eval_k=2)
+    trainer = build_trainer(spec, tmp_path)
+    trainer.args.logging_steps = 2
+    trainer.train()
+    logged = [h["step"] for h in trainer.state.log_history if "sage/eval_seconds" in h]
+    assert logged == [1, 2]
+    assert "eval/during/synthetic-heldout/avg_at_2" in trainer.state.log_history[0]
+
+
 def test_a_trainer_asked_to_evaluate_without_rows_says_it_evaluates_nothing(tiny_model_dir, tmp_path, caplog):
     """SageGRPOTrainer used directly with sage_eval_every and no eval_rows (sage_core.train passes them) warns."""
     from sage_core.reward import boxed_reward
