@@ -31,6 +31,29 @@ def peft_config(spec: RunSpec):
                       target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
 
 
+class LoraTargetsNotFound(ValueError):
+    """lora_target_modules naming a module the policy does not have: peft would stop the run with a traceback
+    (NoMatchingPeftModuleError) once the trainer is built; the message names the names it lacks and the ones it has."""
+
+
+def check_targets(spec: RunSpec, model) -> None:
+    """Raise LoraTargetsNotFound where a comma-separated name in spec.lora_target_modules matches no module of
+    `model` (as peft matches a list: the module's full name, or its last dotted parts); 'all-linear' and full
+    fine-tuning pass."""
+    if spec.lora_r is None or spec.lora_target_modules == "all-linear":
+        return
+    names = [n for n, _ in model.named_modules()]
+    wanted = [t.strip() for t in spec.lora_target_modules.split(",")]
+    missing = [t for t in wanted if not t or not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        import torch
+
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise LoraTargetsNotFound(
+            f"lora_target_modules {spec.lora_target_modules!r}: {', '.join(repr(t) for t in missing)} names no "
+            f"module of {spec.model}; its linear layers are {', '.join(linear) or 'none'} (or use 'all-linear')")
+
+
 def merged_model(base: str, adapter_dir: str | Path, gguf_file: str | None = None, dtype=None):
     """The base model with the adapters in `adapter_dir` merged into its weights (a plain transformers model),
     merged in float32 (as trained), then in `dtype` (default: the base checkpoint's): a float32 run started from a

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 from transformers import TrainerCallback, TrainerState
 
-from .lora import ADAPTER_DIR, merge_adapter, peft_config, record_base
+from .lora import ADAPTER_DIR, check_targets, merge_adapter, peft_config, record_base
 from .spec import RunSpec, check_run_folder, layout_error, spec_changes
 
 log = logging.getLogger(__name__)
@@ -260,6 +260,7 @@ def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
         raise BadModelFile(f"model {spec.model}: its tokenizer has no chat template, and SAGE's prompts are chat "
                            "messages (the hint goes into the last user turn): use an instruct model, or set the "
                            "tokenizer's chat_template and save it with the model")
+    check_targets(spec, model)  # a LoRA target the policy lacks: peft's traceback, once the trainer is built
     if spec.max_prompt_length:
         dataset = _drop_long_prompts(spec, dataset, tokenizer, output_dir)
     return args, dataset, model, tokenizer
