@@ -4,7 +4,7 @@
     sage spec  --preset tiny-cpu [--set k=v ...]   print the validated RunSpec as JSON
     sage train --preset tiny-cpu [--spec f.json] [--set k=v ...] [--output-dir DIR] [--mlflow]
     sage eval  --model PATH|RUN --benchmark name=path [--benchmark ...] [--k 4] [--num-prompts 32]
-    sage hints --teacher URL|PATH|FILE --out hints.jsonl [--levels 1,2,3]   a teacher's hints for the spec's prompts
+    sage hints --teacher URL|PATH --out hints.jsonl [--levels 1,2,3]   a teacher's hints for the spec's prompts
     sage launch --preset qwen2.5-7b [--gpus 0,1,...] [--config zero3] [--vllm-mode server] [--dry-run]
 
 A spec is built in three layers: the preset (tiny-cpu unless --preset names another), then the JSON file given
@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import sys
@@ -28,6 +29,7 @@ from typing import Any
 
 from .data import DataError
 from .hints import TeacherError
+from .lora import LoraTargetsNotFound
 from .models import ModelNotFound
 
 EXIT_USAGE = 2
@@ -306,8 +308,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     brief = {k: d.get(k) for k in ("output_dir", "global_step", "wall_seconds")}
     print("sage train: done " + json.dumps(brief), flush=True)
     summary = d.get("summary")
-    if summary:
-        print(json.dumps(summary, indent=2, default=repr), flush=True)
+    if summary:  # as summary.json has it: a value not measured (NaN) is null, which strict JSON readers take
+        shown = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
+        print(json.dumps(shown, indent=2, default=repr, allow_nan=False), flush=True)
     return 0
 
 
@@ -743,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (SpecError, DataError, ModelNotFound, TeacherError) as e:  # bad input: the message says what, no traceback
+    except (SpecError, DataError, ModelNotFound, TeacherError, LoraTargetsNotFound) as e:
+        # bad input: the message says what, no traceback
         print(f"sage {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (ImportError, FileNotFoundError) as e:

@@ -22,7 +22,8 @@ HINTING_METHODS = ("sage", "sage-light", "sage-light+ada-seq")  # the methods th
 
 class RunSpec(BaseModel):
     """Everything that defines a run. Defaults are an offline tiny run: the tiny-cpu preset (where every `sage`
-    command's spec starts unless --preset names another) but for max_steps (20 here, 12 there)."""
+    command's spec starts unless --preset names another) but for max_steps (20 here, 12 there) and lookahead (off
+    here, on there)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf lr or temperature: NaN weights
 

@@ -334,6 +334,18 @@ def test_train_of_a_model_without_a_chat_template_exits_2_saying_so(capsys, tmp_
     assert not (tmp_path / "run" / "checkpoint-1").exists()
 
 
+def test_lora_target_modules_the_model_lacks_exit_2_naming_them(capsys, tmp_path, tiny_model_dir):
+    """A typo in lora_target_modules: refused with a one-line message naming it and the model's linear layers, not
+    peft's NoMatchingPeftModuleError traceback once the trainer is built."""
+    rc, _, err = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", "lora_r=4", "--set",
+                         "lora_target_modules=q_proj,qproj", "--set", "max_steps=1", "--output-dir",
+                         str(tmp_path / "run"))
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith("sage train: lora_target_modules 'q_proj,qproj': 'qproj' names no module"), err
+    assert "q_proj" in last.split("its linear layers are", 1)[1]
+    assert not (tmp_path / "run" / "checkpoint-1").exists()
+
+
 def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
     """`sage train` hands the built spec, the output dir and resume to sage_core.train.train and writes
     train_result.json (the file sage_core.launch reads back)."""
@@ -370,6 +382,27 @@ def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
     assert saved["global_step"] == 2 and saved["summary"] == {"reward": 0.25}
     assert saved["checkpoint_dir"].endswith("checkpoint")
     assert '"global_step": 2' in out
+
+
+def test_train_prints_the_summary_as_summary_json_has_it(capsys, tmp_path, monkeypatch):
+    """What `sage train` prints after `done` is the summary as summary.json holds it: a value not measured (NaN, e.g.
+    eval_avg_at_k without eval_every) is null, not a bare NaN that jq and other strict JSON readers refuse."""
+    import types
+
+    def fake_train(spec, output_dir, callbacks=(), resume=True):
+        return {"output_dir": str(output_dir), "global_step": 1,
+                "summary": {"reward": 0.5, "eval_avg_at_k": float("nan"), "activation_mb": float("inf")}}
+
+    monkeypatch.setitem(sys.modules, "sage_core.train", types.SimpleNamespace(
+        train=fake_train, shutdown_distributed=lambda: None, LayoutError=type("LayoutError", (ValueError,), {})))
+    rc, out, _ = run_cli(capsys, "train", "--set", "max_steps=1", "--output-dir", str(tmp_path / "run"))
+    assert rc == 0
+    printed = out.split("sage train: done ", 1)[1].split("\n", 1)[1]
+
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    assert json.loads(printed, parse_constant=refuse) == {"reward": 0.5, "eval_avg_at_k": None, "activation_mb": None}
 
 
 def _fake_train(monkeypatch) -> dict:
