@@ -36,9 +36,25 @@ logger = logging.getLogger(__name__)
 MAX_COMPLETION_CHARS = 200_000   # longer completions score 0 without being parsed
 MAX_ANSWER_CHARS = 300           # longer boxed answers score 0
 MAX_BRACE_DEPTH = 12
-TIMEOUT_S = float(os.environ.get("SAGE_REWARD_TIMEOUT", "5"))
+
+
+def _env_number(name: str, default: str, kind: type = float) -> float:
+    """A positive, finite number from the environment; a ValueError naming the variable for any other value (0 or
+    inf seconds would score every answer math-verify must decide 0, or never time out)."""
+    raw = os.environ.get(name, default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        what = "a positive whole number" if kind is int else "a positive, finite number of seconds"
+        raise ValueError(f"{name}={raw!r}: must be {what}")
+    return value
+
+
+TIMEOUT_S = _env_number("SAGE_REWARD_TIMEOUT", "5")
 WORKER_START_TIMEOUT_S = 120.0   # importing sympy + math_verify on a busy 2-core machine
-N_WORKERS = max(1, int(os.environ.get("SAGE_REWARD_WORKERS", "2")))
+N_WORKERS = _env_number("SAGE_REWARD_WORKERS", "2", int)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -201,3 +203,18 @@ def test_pool_warms_in_the_background_and_the_first_odd_answer_reuses_that_worke
     assert reward.score("\\boxed{x+1}", "1+x") == 1.0
     assert started == [1]  # both answers went to the worker started in the background
     reward._pool.close()
+
+
+@pytest.mark.parametrize("name,value", [("SAGE_REWARD_TIMEOUT", "0"), ("SAGE_REWARD_TIMEOUT", "inf"),
+                                        ("SAGE_REWARD_TIMEOUT", "5s"), ("SAGE_REWARD_WORKERS", "0"),
+                                        ("SAGE_REWARD_WORKERS", "2.5")])
+def test_a_bad_reward_setting_in_the_environment_is_named(name, value):
+    """0 or inf seconds would score every answer math-verify decides 0 (and kill a worker each time) or never time
+    out; a value that is no number failed with float()'s message naming no variable."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, name: value}
+    out = subprocess.run([sys.executable, "-c", "import sage_core.reward"], env=env, capture_output=True, text=True,
+                         cwd=str(Path(reward.__file__).resolve().parents[1]))
+    assert out.returncode != 0 and f"ValueError: {name}={value!r}: must be a positive" in out.stderr, out.stderr
