@@ -620,6 +620,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from . import launch as L
 
     spec = build_spec(args.preset, args.spec, args.set)
+    if args.vllm_mode and not spec.use_vllm:  # else the layout is transformers' and the flag would do nothing
+        raise SpecError(f"--vllm-mode {args.vllm_mode}: this spec generates with transformers (use_vllm is off); "
+                        "add --set use_vllm=true, or leave --vllm-mode out")
+    if args.port is not None and (not spec.use_vllm or (args.vllm_mode or spec.vllm_mode) != "server"):
+        raise SpecError(f"--port {args.port} is the vllm serve port of server mode; this launch starts no server "
+                        "(add --vllm-mode server with use_vllm, or leave --port out)")
     # a server URL given here (--set, not a --spec file an earlier launch wrote) is where this launch's server listens
     server_url = spec.vllm_server_base_url if "vllm_server_base_url" in parse_sets(args.set) else None
     kw = {"gpus": _parse_gpus(args.gpus), "config": args.config, "vllm_mode": args.vllm_mode,

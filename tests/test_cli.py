@@ -565,6 +565,13 @@ def test_launch_layout_errors_exit_2(capsys, tmp_path):
     rc, _, err = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "0,1,0,1,2", "--dry-run",
                          "--output-dir", str(tmp_path))
     assert rc == 2 and "--gpus 0,1,0,1,2: GPU 0, 1 given more than once" in err
+    # server-mode flags on a spec that generates with transformers (tiny-cpu) would do nothing: refused
+    rc, _, err = run_cli(capsys, "launch", "--preset", "tiny-cpu", "--gpus", "2", "--vllm-mode", "server",
+                         "--dry-run", "--output-dir", str(tmp_path))
+    assert rc == 2 and "--vllm-mode server: this spec generates with transformers (use_vllm is off)" in err
+    rc, _, err = run_cli(capsys, "launch", "--preset", "qwen2.5-7b", "--gpus", "2", "--port", "8001", "--dry-run",
+                         "--output-dir", str(tmp_path))
+    assert rc == 2 and "--port 8001 is the vllm serve port of server mode; this launch starts no server" in err
 
 
 def test_train_tiny_end_to_end_with_mlflow(capsys, tmp_path, tiny_model_dir, monkeypatch):
