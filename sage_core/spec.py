@@ -133,6 +133,10 @@ class RunSpec(BaseModel):
                 ".parquet", ".jsonl", ".json")):
             raise ValueError(f"data_split={self.data_split!r} picks a split of a data set (a folder or an HF name); "
                              f"data {self.data!r} has none (a file's rows are all read): drop data_split")
+        if self.gguf_file is not None and (self.model in ("tiny", "smollm2") or self.model.lower().endswith(".gguf")):
+            what = "a .gguf file itself" if self.model.lower().endswith(".gguf") else "built in"
+            raise ValueError(f"gguf_file={self.gguf_file!r} names a file inside the model folder, and model "
+                             f"{self.model!r} is {what}: drop gguf_file (or set model to the folder that holds it)")
         rows = self.prompts_per_step * self.num_generations  # one step's rollouts (over all processes)
         micro = self.micro_batch_size or rows
         if rows % micro:

@@ -1,5 +1,7 @@
 """RunSpec: values that would train nonsense are refused when the spec is made, naming the field."""
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -33,6 +35,17 @@ def test_a_split_of_a_source_that_has_none_is_refused(data):
         RunSpec(data=data, data_split="test")
     assert RunSpec(data=data).data_split == "train"
     assert RunSpec(data="/d/folder", data_split="test").data_split == "test"  # a data set's folder has splits
+
+
+@pytest.mark.parametrize("model,what", [("tiny", "built in"), ("smollm2", "built in"),
+                                        ("/m/SmolLM2.Q4_1.gguf", "a .gguf file itself")])
+def test_a_gguf_file_for_a_model_with_no_folder_to_hold_it_is_refused(model, what):
+    """gguf_file names a file inside `model`'s folder: with the built-in models it was silently ignored (the tiny
+    model trained), and with a .gguf path it was looked for inside the file."""
+    with pytest.raises(ValidationError, match=f"gguf_file='x.gguf' names a file inside the model folder, and model "
+                                              f"'{re.escape(model)}' is {what}: drop gguf_file"):
+        RunSpec(model=model, gguf_file="x.gguf")
+    assert RunSpec(model="/m/folder", gguf_file="x.gguf").gguf_file == "x.gguf"
 
 
 def test_a_folder_that_is_no_runs_is_refused_when_training_would_write_over_its_files(tmp_path):
