@@ -417,12 +417,14 @@ def numeric_metrics(values: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def log_metrics(metrics: Mapping[str, Any], step: int | None = None, run_id: str | None = None) -> None:
+def log_metrics(metrics: Mapping[str, Any], step: int | None = None, run_id: str | None = None,
+                timestamp: int | None = None) -> None:
+    """`metrics` (numeric entries: numeric_metrics) at `step`; `timestamp` (ms) default now."""
     from mlflow.entities import Metric
     from mlflow.utils.validation import MAX_METRICS_PER_BATCH
 
     rid = active_run_id(run_id)
-    ts = int(time.time() * 1000)
+    ts = int(time.time() * 1000) if timestamp is None else timestamp
     ms = [Metric(k, v, ts, int(step or 0)) for k, v in numeric_metrics(metrics).items()]
     c = client()
     for i in range(0, len(ms), MAX_METRICS_PER_BATCH):
@@ -598,6 +600,7 @@ class MlflowTrackingCallback(TrainerCallback):
         self.spec = spec
         self.experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
         self.uploaded: set[str] = set()
+        self.pending: list[tuple[dict[str, float], int, int]] = []  # (metrics, step, ms) MLflow did not take yet
         self.checkpoint_logged: Path | None = None
         self.owns_run = False
         self._ready = False
@@ -647,6 +650,29 @@ class MlflowTrackingCallback(TrainerCallback):
         client().set_tag(self.run_id, "sage.prompts_dropped", str(n))
         return n
 
+    def flush(self) -> None:
+        """Log the metrics MLflow refused so far (in order; each batch dropped from `pending` once logged)."""
+        while self.pending:
+            metrics, step, ts = self.pending[0]
+            log_metrics(metrics, step=step, run_id=self.run_id, timestamp=ts)
+            self.pending.pop(0)
+
+    def _while_training(self, logs: Mapping[str, Any] | None = None, step: int = 0) -> None:
+        """Metrics of a step (kept until logged) and the new tracker files, sent while training: an MLflow store
+        that fails for a while (a server restarting, a locked sqlite file) is warned about and caught up with at the
+        next step, not allowed to end the training (the steps since the last checkpoint would be lost)."""
+        from mlflow.exceptions import MlflowException
+
+        if logs and (metrics := numeric_metrics(logs)):
+            self.pending.append((metrics, int(step or 0), int(time.time() * 1000)))
+        try:
+            self.flush()
+            self.upload_tracker_files()
+        except (MlflowException, OSError) as e:
+            log.warning("MLflow run %s: logging failed at step %s (%s: %s); %d metric batches and the tracker files "
+                        "not uploaded yet are sent again at the next step", self.run_id, step, type(e).__name__,
+                        str(e)[:200], len(self.pending))
+
     # -- TrainerCallback
     def on_train_begin(self, args, state, control, **kwargs):
         from .tracker import step_of
@@ -662,27 +688,29 @@ class MlflowTrackingCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         self._setup(args)
-        if logs:
-            log_metrics(logs, step=state.global_step, run_id=self.run_id)
-        self.upload_tracker_files()
+        self._while_training(logs, state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             self._setup(args)
-            self.upload_tracker_files()
+            self._while_training(step=state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
         self._setup(args)
-        self.upload_tracker_files()
+        self._while_training(step=state.global_step)
 
     def log_final_model(self, final: Path, global_step: int) -> None:
         """After training (sage_core.train calls it on the main process, once final/ is saved): the model trained,
         final/, as the run's `checkpoint/` with its step in the tag `sage.checkpoint_step`; a run this callback
         opened is finished. (The last checkpoint-N is not that model where a rollout budget stopped training
-        between saves, nor for LoRA, whose checkpoints hold the adapter.)"""
+        between saves, nor for LoRA, whose checkpoints hold the adapter.) A run with nothing left to train calls no
+        Trainer hook first: its output dir is final/'s folder, and tracker files not in the MLflow run yet go up."""
+        if self.output_dir is None:  # no on_train_begin gave it (sage_core.train's done path trains nothing)
+            self.output_dir = Path(final).parent
         self._setup()
+        self.upload_tracker_files()
         # the run's last step: metric points and tracker/ files past it are a killed attempt's, never trained again
         # (resumed with a lower max_steps or rollout_budget); MLflow cannot delete them, the dashboard leaves them out
         client().set_tag(self.run_id, LAST_STEP_TAG, str(global_step))
@@ -690,6 +718,9 @@ class MlflowTrackingCallback(TrainerCallback):
             log_checkpoint(final, self.run_id)
             self.checkpoint_logged = Path(final)
             client().set_tag(self.run_id, "sage.checkpoint_step", str(global_step))
+        # what MLflow refused while training, now that the model is saved (an error here loses no training)
+        self.flush()
+        self.upload_tracker_files()
         if self.owns_run:
             finish_run(self.run_id)
 

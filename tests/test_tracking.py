@@ -306,6 +306,41 @@ def test_a_run_resumed_with_fewer_steps_ends_at_its_last_step(store, tmp_path):
     assert shown() == ([1, 2, 3], ["killed", "resumed", "killed"])
 
 
+def test_an_mlflow_store_failing_for_a_while_does_not_end_the_training(store, tmp_path, monkeypatch):
+    """The callback logged each step synchronously and let MLflow's error through: a store that failed once (a
+    server restarting for longer than the client retries, a locked sqlite file) ended the training, losing every
+    step since the last checkpoint. The step's metrics and tracker file are kept and sent at the next step."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    out = tmp_path / "train"
+    tdir = out / "tracker"
+    tdir.mkdir(parents=True)
+    rid = tracking.open_run(RunSpec(max_steps=3), "train", experiment="t-outage")
+    args, ctl = SimpleNamespace(output_dir=str(out)), TrainerControl()
+    cb = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
+    cb.on_train_begin(args, _state(0), ctl)
+    down = {"now": False}
+
+    def failing(real, error):
+        def call(self, *a, **k):
+            if down["now"]:
+                raise error
+            return real(self, *a, **k)
+        return call
+
+    monkeypatch.setattr(MlflowClient, "log_batch", failing(MlflowClient.log_batch, MlflowException(
+        "API request to endpoint /api/2.0/mlflow/runs/log-batch failed")))
+    monkeypatch.setattr(MlflowClient, "log_artifact", failing(MlflowClient.log_artifact, OSError("unreachable")))
+    for step in (1, 2, 3):
+        down["now"] = step == 2
+        pd.DataFrame({"step": [step], "prompt_id": ["p"]}).to_parquet(tdir / f"step_{step:06d}.parquet")
+        cb.on_log(args, _state(step), ctl, logs={"reward": float(step)})  # step 2: no exception
+    hist = tracking.client().get_metric_history(rid, "reward")
+    assert sorted((m.step, m.value) for m in hist) == [(1, 1.0), (2, 2.0), (3, 3.0)] and not cb.pending
+    assert len(tracking.client().list_artifacts(rid, "tracker")) == 3
+
+
 def test_callback_logs_the_prompts_left_out_for_length(store, tmp_path):
     out = tmp_path / "train"
     out.mkdir()
@@ -386,6 +421,29 @@ def test_make_callback_owns_a_run_for_sage_train_mlflow(store, tmp_path, monkeyp
                               {"step": 2}], run_id=rid)
     assert n == 2 and [(m.step, m.value) for m in tracking.client().get_metric_history(rid, "reward")] == [
         (1, 0.5), (2, 0.7)]
+
+
+def test_a_run_with_nothing_left_to_train_is_finished_by_the_callback_that_opens_it(store, tmp_path, monkeypatch):
+    """train() on a folder whose checkpoint is at max_steps trains nothing and calls no Trainer hook: the first the
+    callback of make_callback(spec) heard was log_final_model, which opened the run on output_dir None
+    (TypeError): a finished run entered again crashed, and one killed before final/ was written could never be
+    finished. It reopens the folder's run, uploads the tracker files it lacks and finishes it."""
+    monkeypatch.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
+    monkeypatch.delenv("SAGE_OUTPUT_DIR", raising=False)
+    spec = RunSpec(max_steps=1, seed=13)
+    out = tmp_path / "done"
+    (out / "tracker").mkdir(parents=True)
+    rid, _ = tracking.resume_or_create_run(spec, "train", out, experiment="t-done")
+    tracking.finish_run(rid, "KILLED")  # killed after its last checkpoint, before final/ was uploaded
+    pd.DataFrame({"step": [1], "prompt_id": ["p"]}).to_parquet(out / "tracker" / "step_000001.parquet")
+    (out / "final").mkdir()
+    (out / "final" / "config.json").write_text("{}")
+    cb = tracking.make_callback(spec, experiment="t-done")
+    cb.log_final_model(out / "final", 1)
+    run = tracking.client().get_run(rid)
+    assert cb.run_id == rid and cb.owns_run and tracking.is_complete(run)
+    assert run.data.tags["sage.checkpoint_step"] == "1" and run.data.tags[tracking.LAST_STEP_TAG] == "1"
+    assert [a.path for a in tracking.client().list_artifacts(rid, "tracker")] == ["tracker/step_000001.parquet"]
 
 
 @pytest.mark.parametrize("error, status", [(KeyboardInterrupt(), "KILLED"), (RuntimeError("boom"), "FAILED")])
