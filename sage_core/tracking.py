@@ -457,6 +457,18 @@ def load_eval(run_id: str) -> pd.DataFrame | None:
         return pd.read_parquet(p)
 
 
+def _eval_table_to_merge(run_id: str) -> pd.DataFrame | None:
+    """The run's eval table, or None where the run has none. Unlike load_eval, a table that is there but does not
+    download (a store failing for a moment) raises: taken for none, log_eval would write the new rows over it."""
+    import pandas as pd
+
+    if Path(EVAL_ARTIFACT).name not in {Path(a.path).name for a in client().list_artifacts(
+            run_id, str(Path(EVAL_ARTIFACT).parent))}:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        return pd.read_parquet(client().download_artifacts(run_id, EVAL_ARTIFACT, tmp))
+
+
 def log_eval(df: pd.DataFrame, when: str, run_id: str | None = None) -> pd.DataFrame:
     """Merge `df` (benchmark, k, avg_at_k, pass_at_k, n_prompts) as `when` (before|after) into the run's
     `eval/eval.parquet` (re-logging the same (benchmark, when, k) replaces it) and log metrics
@@ -472,7 +484,7 @@ def log_eval(df: pd.DataFrame, when: str, run_id: str | None = None) -> pd.DataF
     if missing:
         raise ValueError(f"eval table lacks columns {missing}")
     new = new[EVAL_COLUMNS + [c for c in new.columns if c not in EVAL_COLUMNS]]
-    old = load_eval(rid)
+    old = _eval_table_to_merge(rid)
     merged = new if old is None else pd.concat([old, new], ignore_index=True)
     merged = merged.drop_duplicates(subset=["benchmark", "when", "k"], keep="last").reset_index(drop=True)
     with tempfile.TemporaryDirectory() as tmp:

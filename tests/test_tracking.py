@@ -384,6 +384,30 @@ def test_log_eval_merges_and_logs_metrics(store, tmp_path):
         tracking.log_eval(before, "during", run_id=rid)
 
 
+def test_log_eval_never_writes_over_a_table_it_could_not_read(store, monkeypatch):
+    """The eval table is read, merged and written back: a download that failed for a moment was taken for "no table
+    yet", and the new rows were written over the earlier ones (the before-training eval, other benchmarks)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    rid = tracking.open_run(RunSpec(), "train", experiment="t-eval-down")
+    before = pd.DataFrame({"benchmark": ["synthetic"], "k": [4], "avg_at_k": [0.25], "pass_at_k": [0.5],
+                           "n_prompts": [8]})
+    tracking.log_eval(before, "before", run_id=rid)
+
+    def down(self, *a, **k):
+        raise MlflowException("API request to endpoint /api/2.0/mlflow-artifacts failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(MlflowClient, "download_artifacts", down)
+        with pytest.raises(MlflowException):
+            tracking.log_eval(before.assign(avg_at_k=[0.5]), "after", run_id=rid)
+    got = tracking.load_eval(rid)
+    assert got["when"].tolist() == ["before"] and got["avg_at_k"].tolist() == [0.25]
+    assert tracking.log_eval(before.assign(avg_at_k=[0.5]), "after", run_id=rid)["when"].tolist() == ["before",
+                                                                                                       "after"]
+
+
 def test_log_table_and_markdown(store, tmp_path):
     rid = tracking.open_run(RunSpec(), "study", experiment="t-table")
     df = pd.DataFrame({"variant": ["grpo", "sage|x"], "avg": [0.5, float("nan")]})
