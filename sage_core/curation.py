@@ -378,8 +378,9 @@ class AdaSeq(_Pooled):
 class AdaEst(_Pooled):
     """Reinforce-Ada-Est: the pilot's p^ = (k1+1)/(G+2) fixes the prompt's rounds n = clip(round(c / p^), 1,
     max_rounds) with no sequential stopping; c is refitted once per step on the earlier steps' pilots (the last
-    `history` of them) so their mean allocation is `avg_rounds` (the same total budget as any method spending
-    avg_rounds * G per prompt). A pilot collapsed on a side whose weight h is 0 gets no extra round (extend='auto').
+    `history` of them) so their mean allocation is `avg_rounds`, as closely as whole rounds allow (the same total
+    budget as any method spending avg_rounds * G per prompt; the fit counts what rounds_for gives each pilot). A
+    pilot collapsed on a side whose weight h is 0 gets no extra round (extend='auto').
     The trainer asks next_action for every group before it finalizes any, which is what keeps c fixed in a step."""
 
     name = "ada-est"
@@ -404,17 +405,29 @@ class AdaEst(_Pooled):
         return self._c_step
 
     def _fit_c(self) -> float:
+        """Bisection on the allocation `rounds_for` gives (rounded, and 1 for a collapsed pilot on a side that is
+        not re-sampled), so the pilots' mean rounds are avg_rounds as closely as whole rounds allow."""
         G = self.G or 8
         ps = np.asarray(self.history or [smoothed_pass_rate(k, G) for k in range(G + 1)], dtype=float)
         target = min(self.avg_rounds, float(self.max_rounds))
         lo, hi = 0.0, float(self.max_rounds) / max(float(ps.min()), 1e-9) + 1.0
         for _ in range(60):
             mid = (lo + hi) / 2
-            if np.clip(mid / ps, 1, self.max_rounds).mean() < target:
+            if self._allocation(mid, ps, G).mean() < target:
                 lo = mid
             else:
                 hi = mid
-        return hi
+        # the mean is a step function of c: take the side of the step nearer the target
+        below, above = self._allocation(lo, ps, G).mean(), self._allocation(hi, ps, G).mean()
+        return lo if target - below < above - target else hi
+
+    def _allocation(self, c: float, ps: np.ndarray, G: int) -> np.ndarray:
+        """Total tries of pilots with smoothed pass rates `ps` under c (what rounds_for gives)."""
+        n = np.clip(np.floor(c / ps + 0.5), 1, self.max_rounds)
+        for k in (0, G):  # a pilot collapsed on a side that is not re-sampled gets no extra round
+            if not self._extends(k == G, G):
+                n = np.where(np.isclose(ps, smoothed_pass_rate(k, G)), 1.0, n)
+        return n
 
     def rounds_for(self, k1: int, G: int) -> int:
         """Total tries for a prompt whose pilot had k1 successes (uses the current history)."""

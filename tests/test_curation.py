@@ -339,6 +339,22 @@ def test_ada_est_matches_average_budget_and_never_stops_sequentially():
     assert by_k1.get(G, {1}) == {1}
 
 
+@pytest.mark.parametrize("objective", ["log", "linear"])
+def test_ada_est_spends_avg_rounds_where_collapsed_pilots_get_no_extra_round(objective):
+    """c is fitted on the rounds rounds_for gives: a pilot collapsed on a side whose weight h is 0 gets 1 round
+    (linear: both sides; log: all-one), not the clip(c / p^) the fit assumed, so the mean fell short of avg_rounds
+    (linear on mostly unsolved prompts: 1.0 of 2, ada-est trained as GRPO)."""
+    rng = np.random.default_rng(0)
+    hard = np.where(rng.random(512) < 0.7, 0.0, rng.uniform(0.1, 0.9, 512))
+    easy = np.where(rng.random(512) < 0.5, 1.0, rng.uniform(0.5, 0.95, 512))
+    for ps in (hard, easy):
+        s = AdaEst(max_rounds=4, avg_rounds=2.0, objective=objective, num_generations=G)
+        for k in rng.binomial(G, ps):
+            s.observe("x", 0, [], [1.0] * k + [0.0] * (G - k))
+        mean = np.mean([s.rounds_for(int(k), G) for k in rng.binomial(G, ps)])
+        assert abs(mean - 2.0) < 0.35, (objective, mean)
+
+
 def test_dapo_filter_swaps_collapsed_groups_and_reports_rollouts_per_kept_group():
     rng = np.random.default_rng(2)
     rates = {"easy": 1.0, "hard": 0.0, "mid": 0.5}
