@@ -49,6 +49,7 @@ from .tracker import PromptTracker
 log = logging.getLogger(__name__)
 
 POOL_FILE = "sage_prompt_pool.json"  # in a checkpoint: each process's place in its fresh-prompt pool
+POOL_SEED_OFFSET = 0x5EED  # the fresh-prompt pool's permutation is seeded apart from the sampler's (_draw_prompt)
 RNG_FILE = "sage_scheduler_rng.json"  # in a checkpoint: each process's scheduler generator (pooled subset picks)
 STATE_FILE = "sage_replay_state.json"  # in a checkpoint: the scheduler's and tracker's state (the same everywhere)
 
@@ -728,7 +729,10 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         process draws from its own share of one permutation (every world-th place), so two processes never swap
         in the same prompt in one step."""
         if self._pool is None:
-            gen = torch.Generator().manual_seed(self.args.seed)
+            # a permutation of its own: TRL's sampler draws torch.randperm from a generator seeded with args.seed, so
+            # the same seed made the pool the sampler's epoch order, and every prompt swapped in was one of the next
+            # steps' batch (a prompt found collapsed was rolled again a step later)
+            gen = torch.Generator().manual_seed(self.args.seed + POOL_SEED_OFFSET)
             rank, world = self.accelerator.process_index, self.accelerator.num_processes
             self._pool = torch.randperm(len(self.train_dataset), generator=gen).tolist()[rank::world]
         n = len(self._pool)

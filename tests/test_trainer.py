@@ -264,6 +264,21 @@ def test_resumed_dapo_filter_draws_the_fresh_prompts_of_the_straight_run(tiny_mo
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_dapo_filter_fresh_prompts_are_not_the_samplers_next_batches(tiny_model_dir, tmp_path):
+    """The fresh-prompt pool is a permutation of its own: seeded as TRL's sampler is, it was the sampler's epoch
+    order, so the prompts swapped in at a step were exactly the next steps' batches (found collapsed and swapped
+    out, a prompt came back a step later)."""
+    spec = small("dapo-filter", num_prompts=32, max_steps=2)
+    trainer = build_trainer(spec, tmp_path)
+    order = list(trainer._get_train_sampler())[::spec.num_generations]  # one index per prompt, in sampler order
+    ids = [trainer.train_dataset[i]["prompt_id"] for i in order]
+    per = spec.prompts_per_step
+    taken = set(ids[:per])  # step 1's batch
+    drawn = [trainer._draw_prompt(taken)["prompt_id"] for _ in range(2 * per)]
+    assert not taken & set(drawn) and len(set(drawn)) == len(drawn)
+    assert drawn != ids[per:3 * per], "the pool follows the sampler's order: fresh prompts are the next batches"
+
+
 def test_a_checkpoint_keeps_the_pooled_subset_generator_and_a_resume_takes_it_back(tiny_model_dir, tmp_path):
     """ada-seq picks a balanced subset of an extended pool with the scheduler's generator: each checkpoint holds
     its state at that step (per process), and restore_state puts it back, so the resumed picks follow the straight
