@@ -210,6 +210,8 @@ def _open_tracking(spec, out: Path, args: argparse.Namespace) -> tuple[list, str
 
         return [callback_from_env()], None
     if not args.mlflow or not _is_main_process():
+        if args.no_resume and _is_main_process():  # the run it names logged the trajectory started over now: a
+            _forget_run_id(spec, out, fresh=True)  # later --mlflow opens a new run, never that one
         return [], None
     from . import tracking
 

@@ -436,6 +436,13 @@ def test_train_no_resume_with_mlflow_opens_a_new_run(capsys, tmp_path, monkeypat
         ids.append(json.loads((out / "train_result.json").read_text())["mlflow_run_id"])
         assert ("(resumed)" in stdout) == (len(ids) == 3)
     assert ids[0] != ids[1] == ids[2] == (out / "mlflow_run_id").read_text().strip()
+    # --no-resume without --mlflow starts over too: the next --mlflow opens a new run, not the one that logged the
+    # trajectory started over
+    rc, _, err = run_cli(capsys, *argv[:-3], "--no-resume")
+    assert rc == 0 and not (out / "mlflow_run_id").exists(), err
+    rc, stdout, err = run_cli(capsys, *argv)
+    assert rc == 0 and "(resumed)" not in stdout, err
+    assert json.loads((out / "train_result.json").read_text())["mlflow_run_id"] not in ids
 
 
 def test_every_command_starts_from_the_tiny_cpu_preset(capsys, tmp_path, monkeypatch):
