@@ -230,6 +230,8 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         P = input_ids.size(1) - C
         cols = torch.arange(1, max(P, C) + 1, device=input_ids.device)
         prompt_w = (attention_mask[:, :P].flip(1) * cols[:P]).amax(1) if P else torch.zeros_like(input_ids[:, 0])
+        if P and _absolute_positions(model):  # a row's positions are its columns: buckets keep the left padding
+            prompt_w = torch.full_like(prompt_w, P)
         comp_w = (attention_mask[:, P:] * cols[:C]).amax(1)
         dead = self._no_grad_rows
         dead = dead.tolist() if dead is not None and len(dead) == input_ids.size(0) else [False] * input_ids.size(0)
@@ -991,6 +993,18 @@ def _groups_by_prompt_id(rows: list[dict], G: int) -> list[tuple[str, list[int]]
 def _bucket_overhead(trainer) -> int:
     """Default per-forward overhead of the loss's length buckets, in token slots (see SageConfig)."""
     return 2048 if trainer.accelerator.device.type == "cuda" else 256
+
+
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings", "position_embedding", "pos_emb")
+
+
+def _absolute_positions(model: nn.Module) -> bool:
+    """Whether the model adds a learned embedding of each token's position (GPT-2's wpe, GPT-Neo's, BioGPT's, OPT's):
+    such a forward numbers a row's columns 0.. with its left padding (TRL passes no position_ids), so trimming a
+    bucket's shared left padding would move every row to other positions and change its log-probs. Rotary and ALiBi
+    positions only enter relative to each other, and trimming changes nothing there."""
+    return any(isinstance(m, nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES
+               for name, m in model.named_modules())
 
 
 def _multimodal(model: nn.Module) -> bool:
