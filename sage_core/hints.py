@@ -124,7 +124,8 @@ def _values(text: str) -> set[Fraction]:
     return out
 
 
-# Numbers written in words: cardinals (seventeen, forty-two, two hundred and five, 3 thousand is digits + word),
+# Numbers written in words: cardinals (seventeen, forty-two, two hundred and five; digits before a scale word, as in
+# 3 thousand or 2.5 million, are one number too),
 # "negative" before one, and fractions (two thirds, one half, a quarter, three fifths). "one" and "a" alone are not
 # read as 1 (no one, one of them, a step): only in a compound (twenty-one, one hundred) or before a fraction's
 # denominator; ordinals alone (the third step) are not numbers.
@@ -137,6 +138,7 @@ _SCALES = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
 _DENOMINATORS = {"half": 2, "halves": 2, "third": 3, "quarter": 4, "fourth": 4, "fifth": 5, "sixth": 6, "seventh": 7,
                  "eighth": 8, "ninth": 9, "tenth": 10}
 _CARDINAL = "|".join([*_UNITS, *_TENS, *_SCALES])
+_SCALED = re.compile(rf"(?<![\w.,])(-?\d+(?:\.\d+)?)[\s-]*({'|'.join(_SCALES)})\b", re.IGNORECASE)  # 3 thousand
 _WORD_NUMBER = re.compile(
     rf"\b(?:(negative|minus)\s+)?((?:{_CARDINAL}|a)(?:(?:\s+and\s+|[\s-]+)(?:{_CARDINAL}))*)"
     rf"(?:[\s-]+({'|'.join(_DENOMINATORS)})s?)?\b", re.IGNORECASE)
@@ -166,7 +168,7 @@ def _cardinal(words: list[str]) -> int | None:
 
 def _word_values(text: str) -> set[Fraction]:
     """The values of the numbers `text` writes in words (see _WORD_NUMBER), each in every reading: "two thirds" is 2/3
-    and also 2, "negative five" is -5 and also 5."""
+    and also 2, "negative five" is -5 and also 5; and digits before a scale word ("3 thousand" is 3000)."""
     out: set[Fraction] = set()
     for m in _WORD_NUMBER.finditer(text):
         sign, body, denominator = m.group(1), m.group(2).lower(), m.group(3)
@@ -188,6 +190,8 @@ def _word_values(text: str) -> set[Fraction]:
         if sign and sign.lower() == "negative":
             found |= {-v for v in found}
         out |= found
+    for m in _SCALED.finditer(text):  # digits and a scale word: "3 thousand" is 3000, "2.5 million" 2500000
+        out.add(Fraction(m[1]) * _SCALES[m[2].lower()])
     return out
 
 

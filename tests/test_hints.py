@@ -73,6 +73,12 @@ def req(pid="p1", level=3, answer="9"):
     ("ten minus five first", "-5", False),
     ("forty-two apples", "40", False),
     ("someone counts seventy-seven", "7", False),
+    # digits before a scale word are one number
+    ("It is 3 thousand in all.", "3000", True),
+    ("about 2 hundred coins", "200", True),
+    ("a city of 2.5 million people", "2500000", True),
+    ("it costs 4-thousand dollars", "4000", True),
+    ("it is 3 thousand in all", "4000", False),
     # any other answer as a substring, in the same typesetting: \dfrac is \frac, \left( is (, thin spaces go
     ("the angle is \\frac{\\pi}{4} here", "\\dfrac{\\pi}{4}", True),
     ("the point \\left(1, 2\\right)", "(1,2)", True),
