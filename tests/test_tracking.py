@@ -167,6 +167,18 @@ def _state(step: int) -> TrainerState:
     return s
 
 
+def _started_callback(tmp_path, spec: RunSpec, experiment: str):
+    """(tracker dir, run id, args, control, callback): a new run's callback, its training begun at step 0."""
+    out = tmp_path / "train"
+    tdir = out / "tracker"
+    tdir.mkdir(parents=True)
+    rid = tracking.open_run(spec, "train", experiment=experiment)
+    args, ctl = SimpleNamespace(output_dir=str(out)), TrainerControl()
+    cb = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
+    cb.on_train_begin(args, _state(0), ctl)
+    return tdir, rid, args, ctl, cb
+
+
 def test_callback_metrics_tracker_files_and_checkpoint(store, tmp_path):
     spec = RunSpec(max_steps=2)
     out = tmp_path / "train"
@@ -231,17 +243,11 @@ def test_callback_metrics_tracker_files_and_checkpoint(store, tmp_path):
 def test_resumed_callback_uploads_again_the_steps_trained_again(store, tmp_path):
     """A run killed after step 2's tracker file was uploaded, resumed from checkpoint-1: step 2 is trained again
     and its new file replaces the killed run's in the MLflow run."""
-    out = tmp_path / "train"
-    tdir = out / "tracker"
-    tdir.mkdir(parents=True)
-    rid = tracking.open_run(RunSpec(max_steps=2), "train", experiment="t-cb-resume")
-    args, ctl = SimpleNamespace(output_dir=str(out)), TrainerControl()
-    cb = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
-    cb.on_train_begin(args, _state(0), ctl)
+    tdir, rid, args, ctl, cb = _started_callback(tmp_path, RunSpec(max_steps=2), "t-cb-resume")
     for step in (1, 2):
         pd.DataFrame({"step": [step], "prompt_id": ["killed"]}).to_parquet(tdir / f"step_{step:06d}.parquet")
         cb.on_log(args, _state(step), ctl, logs={"reward": 0.0})
-    resumed = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
+    resumed = tracking.MlflowTrackingCallback(run_id=rid, output_dir=tdir.parent, log_checkpoint=False)
     resumed.on_train_begin(args, _state(1), ctl)
     assert resumed.uploaded == {"step_000001.parquet"}
     pd.DataFrame({"step": [2], "prompt_id": ["resumed"]}).to_parquet(tdir / "step_000002.parquet")
@@ -313,13 +319,7 @@ def test_an_mlflow_store_failing_for_a_while_does_not_end_the_training(store, tm
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    out = tmp_path / "train"
-    tdir = out / "tracker"
-    tdir.mkdir(parents=True)
-    rid = tracking.open_run(RunSpec(max_steps=3), "train", experiment="t-outage")
-    args, ctl = SimpleNamespace(output_dir=str(out)), TrainerControl()
-    cb = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
-    cb.on_train_begin(args, _state(0), ctl)
+    tdir, rid, args, ctl, cb = _started_callback(tmp_path, RunSpec(max_steps=3), "t-outage")
     down = {"now": False}
 
     def failing(real, error):
