@@ -545,6 +545,11 @@ def _send(client, method: str, url: str, deadline: float, body: dict | None = No
         return resp.status_code, data.decode(errors="replace"), resp.headers.get("location")
 
 
+# how servers word a request over their context (HTTP 400): vLLM and OpenAI "maximum context length", llama.cpp
+# "exceeds the available context size", SGLang "longer than the model's context length"
+_OVER_CONTEXT = re.compile(r"context (?:length|size|window)", re.IGNORECASE)
+
+
 def _completion(text: str) -> str:
     """The content of a chat completion reply ('' for a null one). Raises ValueError, KeyError, IndexError or
     TypeError for a reply that is none (a proxy's HTML page, a login page, a cut reply, no choices)."""
@@ -747,9 +752,9 @@ def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHE
             if status == 429 or status >= 500:
                 last = f"HTTP {status}"
                 continue
-            if status == 400 and "maximum context length" in text.lower():
-                # vLLM's and OpenAI's words for a request (problem, solution and max_tokens) over the served
-                # context: this request's failure, as a policy hint request without room is (not the teacher's)
+            if status == 400 and _OVER_CONTEXT.search(text):
+                # a request (problem, solution and max_tokens) over the served context: this request's failure, as
+                # a policy hint request without room is (not the teacher's)
                 call.answer()
                 with too_long_lock:  # requests in flight together: the first one warns
                     too_long.append(1)

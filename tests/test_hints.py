@@ -593,6 +593,12 @@ def test_endpoint_teacher_that_stays_down_fails_the_hints_and_one_that_refuses_s
         got = TeacherHints(small.url).get(reqs, HintContext(generate=ScriptedModel([]), retries=1))
     assert [r.failed for r in got] == [True, True] and len(small.bodies) == 2  # neither retried nor resampled
     assert caplog.text.count("does not fit the served model's context") == 1
+    # llama.cpp's and SGLang's words for it: the same (they stopped the run with a TeacherError)
+    for words in ("the request exceeds the available context size, try increasing it",
+                  "The input (96 tokens) is longer than the model's context length (64 tokens)."):
+        with _ChatEndpoint(lambda body, w=words: (400, json.dumps({"error": {"code": 400, "message": w}}))) as other:
+            got = TeacherHints(other.url).get(reqs, HintContext(generate=ScriptedModel([]), retries=1))
+        assert [r.failed for r in got] == [True, True] and len(other.bodies) == 2, words
 
 
 def test_sage_hints_writes_a_teachers_hints_file_that_a_stopped_run_resumes(monkeypatch, tmp_path, capsys):
