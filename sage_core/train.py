@@ -398,16 +398,11 @@ def check_checkpoint(ckpt: Path, save_only_model: bool = False) -> None:
     for path in sorted(ckpt.iterdir()):
         if path.suffix in (".pt", ".pth") and path.is_file() and not zipfile.is_zipfile(path):
             raise bad(path, "cannot be read (not a whole torch file: cut short, or not written by torch.save)")
-    from .trainer import POOL_FILE, RNG_FILE
+    from .trainer import POOL_FILE, RNG_FILE, read_per_process_file
 
     for path in (ckpt / POOL_FILE, ckpt / RNG_FILE):  # each process's place in its draws: read as it is, no fallback
         if path.exists():
-            try:
-                saved = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise bad(path, f"cannot be read ({e})") from e
-            if not isinstance(saved, list):
-                raise bad(path, "cannot be read (not a list of one entry per process)")
+            read_per_process_file(path)
     world = world_size()
     rng = ["rng_state.pth"] if world == 1 else [f"rng_state_{i}.pth" for i in range(world)]
     if missing := [name for name in rng if not (ckpt / name).is_file()]:

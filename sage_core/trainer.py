@@ -908,16 +908,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         path = os.path.join(checkpoint, name) if checkpoint is not None else None
         if path is None or not os.path.exists(path):
             return None
-        try:
-            with open(path) as f:
-                saved = json.load(f)
-            if not isinstance(saved, list):
-                raise ValueError("not a list of one entry per process")
-        except (OSError, ValueError) as e:  # no other record of it to fall back on (train.check_checkpoint refuses it)
-            from .data import DataError
-
-            raise DataError(f"{path} cannot be read ({e}); remove {os.path.basename(os.path.normpath(checkpoint))} "
-                            "to resume from the checkpoint before it, or start over (--no-resume)") from e
+        saved = read_per_process_file(path)
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         if len(saved) != world:  # each process has its own: the draws cannot follow the straight run
             log.warning("%s: saved by %d processes, resumed by %d: %s after the resume differ from the straight "
@@ -926,6 +917,24 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def read_per_process_file(path: str | os.PathLike) -> list:
+    """The entries (one per process) of a checkpoint's side file (POOL_FILE, RNG_FILE). One that does not read as a
+    list (cut short by a kill, damaged) is a DataError naming it and its checkpoint: there is no other record of it
+    to fall back on. train.check_checkpoint reads them before anything loads; restore_state reads them again."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if not isinstance(saved, list):
+            raise ValueError("not a list of one entry per process")
+    except (OSError, ValueError) as e:
+        from .data import DataError
+
+        checkpoint = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        raise DataError(f"{path} cannot be read ({e}); remove {checkpoint} to resume from the checkpoint before it, "
+                        "or start over (--no-resume)") from e
+    return saved
+
+
 def _state_holds_observe(scheduler: Scheduler) -> bool:
     """Whether `state()` holds all that `observe` changes, so that a checkpoint may keep it in place of a replay:
     true of this project's schedulers (SAGE-LIGHT's levels, ada-est's pilot history; the others observe nothing).
