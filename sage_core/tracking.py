@@ -722,7 +722,6 @@ class MlflowTrackingCallback(TrainerCallback):
         if self.output_dir is None:  # no on_train_begin gave it (sage_core.train's done path trains nothing)
             self.output_dir = Path(final).parent
         self._setup()
-        self.upload_tracker_files()
         # the run's last step: metric points and tracker/ files past it are a killed attempt's, never trained again
         # (resumed with a lower max_steps or rollout_budget); MLflow cannot delete them, the dashboard leaves them out
         client().set_tag(self.run_id, LAST_STEP_TAG, str(global_step))
@@ -730,7 +729,8 @@ class MlflowTrackingCallback(TrainerCallback):
             log_checkpoint(final, self.run_id)
             self.checkpoint_logged = Path(final)
             client().set_tag(self.run_id, "sage.checkpoint_step", str(global_step))
-        # what MLflow refused while training, now that the model is saved (an error here loses no training)
+        # what MLflow refused while training, and the tracker files it lacks (all of them, where nothing trained
+        # now), once the model is saved (an error here loses no training)
         self.flush()
         self.upload_tracker_files()
         if self.owns_run:
