@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import difflib
 import json
-import math
 import os
 import re
 import sys
@@ -279,7 +278,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if _is_main_process():
         print(f"sage train: method={spec.method} model={spec.model} steps={spec.max_steps} -> {out}", flush=True)
     callbacks, run_id = _open_tracking(spec, out, args)
-    from .train import LayoutError, shutdown_distributed, train
+    from .train import LayoutError, shutdown_distributed, strict_json, train
 
     with _sigterm_raises("train"):
         try:
@@ -311,8 +310,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print("sage train: done " + json.dumps(brief), flush=True)
     summary = d.get("summary")
     if summary:  # as summary.json has it: a value not measured (NaN) is null, which strict JSON readers take
-        shown = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()}
-        print(json.dumps(shown, indent=2, default=repr, allow_nan=False), flush=True)
+        print(json.dumps(strict_json(summary), indent=2, default=repr, allow_nan=False), flush=True)
     return 0
 
 

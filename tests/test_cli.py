@@ -13,6 +13,7 @@ import pytest
 from sage_core import cli
 from sage_core.presets import PRESETS
 from sage_core.spec import RunSpec
+from sage_core.train import strict_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -370,7 +371,7 @@ def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
                           {"reward": 0.25})
 
     fake = types.SimpleNamespace(train=fake_train, shutdown_distributed=lambda: calls.update(shutdown=True),
-                                 LayoutError=type("LayoutError", (ValueError,), {}))
+                                 LayoutError=type("LayoutError", (ValueError,), {}), strict_json=strict_json)
     monkeypatch.setitem(sys.modules, "sage_core.train", fake)
     rc, out, _ = run_cli(capsys, "train", "--preset", "tiny-cpu", "--set", "max_steps=2", "--set", "method=grpo",
                          "--output-dir", str(tmp_path / "run"), "--no-resume")
@@ -394,7 +395,8 @@ def test_train_prints_the_summary_as_summary_json_has_it(capsys, tmp_path, monke
                 "summary": {"reward": 0.5, "eval_avg_at_k": float("nan"), "activation_mb": float("inf")}}
 
     monkeypatch.setitem(sys.modules, "sage_core.train", types.SimpleNamespace(
-        train=fake_train, shutdown_distributed=lambda: None, LayoutError=type("LayoutError", (ValueError,), {})))
+        train=fake_train, shutdown_distributed=lambda: None, LayoutError=type("LayoutError", (ValueError,), {}),
+        strict_json=strict_json))
     rc, out, _ = run_cli(capsys, "train", "--set", "max_steps=1", "--output-dir", str(tmp_path / "run"))
     assert rc == 0
     printed = out.split("sage train: done ", 1)[1].split("\n", 1)[1]
@@ -416,7 +418,8 @@ def _fake_train(monkeypatch) -> dict:
         return {"output_dir": str(output_dir), "global_step": spec.max_steps, "summary": {"reward": 0.5}}
 
     monkeypatch.setitem(sys.modules, "sage_core.train", types.SimpleNamespace(
-        train=fake_train, shutdown_distributed=lambda: None, LayoutError=type("LayoutError", (ValueError,), {})))
+        train=fake_train, shutdown_distributed=lambda: None, LayoutError=type("LayoutError", (ValueError,), {}),
+        strict_json=strict_json))
     return calls
 
 
