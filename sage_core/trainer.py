@@ -436,7 +436,8 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         # this process's counts, summed over processes
         # (TRL's own num_tokens and completions/* metrics describe the step's first rollout, not the trained rows)
         for key in ("reroll_groups", "reroll_rows", "hint_rows", "lookahead_unasked_rows", "gen_tokens",
-                    "train_tokens", "hint_requests_too_long", "hints_cut", "hint_draft_rows", "hint_drafts_done"):
+                    "train_tokens", "hint_requests_too_long", "hints_cut", "hints_special_removed", "hint_draft_rows",
+                    "hint_drafts_done"):
             m[f"sage/{key}"].append(float(sum(gather_object([self._counts[key]]))))
         # sequential generation passes (the first rollout, re-roll rounds, hint calls): with vLLM a pass costs about
         # its longest completion whatever its width, so these, not the rows, set a step's rollout time there
@@ -698,11 +699,18 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
 
     def _cut_hint(self, req: HintRequest, res: HintResult) -> HintResult:
         """A hint longer than hint_max_tokens (a teacher's, or a hints file's) is cut to that many tokens: vLLM's
-        context has room for that much hint. The cut hint passes the leak guard again (a cut number can become the
-        answer)."""
+        context has room for that much hint. Text of the policy tokenizer's special tokens (a teacher's `<|im_end|>`)
+        is taken out first: the tokenizer would read it as the token itself and end the user turn inside the hint.
+        A hint changed either way passes the leak guard again (a cut number can become the answer)."""
         limit = self.args.hint_max_tokens
         if res.text is None:
             return res
+        text = _without_special_tokens(self.processing_class, res.text)
+        if text != res.text:
+            self._counts["hints_special_removed"] += 1
+            if not text or leaks(text, req.answer):
+                return replace(res, text=None, leaked=res.leaked or bool(text))
+            res = replace(res, text=text)
         ids = self.processing_class(res.text, add_special_tokens=False)["input_ids"]
         if len(ids) <= limit:
             return res
@@ -1100,6 +1108,20 @@ def _log_hint(log: dict, level: int, res: HintResult) -> None:
         log["leaked"].add(level)
     if res.failed:
         log["failed"] = True
+
+
+def _without_special_tokens(tokenizer, text: str) -> str:
+    """`text` with the text of each special token of `tokenizer` (eos, pad, chat markers as <|im_start|>) replaced by
+    a space, each line's spaces then closed up; `text` itself where it holds none. A tokenizer reads such text as the
+    token."""
+    special = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    special |= {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values() if t.special}
+    found = sorted((s for s in special if s and s in text), key=len, reverse=True)
+    if not found:
+        return text
+    for s in found:
+        text = text.replace(s, " ")
+    return "\n".join(" ".join(line.split()) for line in text.split("\n")).strip()
 
 
 def _problem_of(row: dict) -> str:

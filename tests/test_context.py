@@ -149,6 +149,37 @@ def test_a_cut_that_ends_inside_a_number_is_leak_checked_again():
     assert fake._counts["hints_cut"] == 2
 
 
+def test_special_token_text_in_a_hint_is_taken_out_before_it_reaches_the_prompt(tiny_model_dir):
+    """A teacher (or a hints file) that writes `<|assistant|>` into a hint would end the user turn there: the
+    tokenizer reads that text as the chat marker itself."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from sage_core.hints import HintResult
+    from sage_core.trainer import SageGRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert len(tok("<|assistant|>", add_special_tokens=False)["input_ids"]) == 1  # a chat marker, read as one token
+    fake = SimpleNamespace(processing_class=tok, args=SimpleNamespace(hint_max_tokens=48),
+                           _counts=defaultdict(float))
+    req = HintRequest("p", "problem", "solution", "12", 1)
+    cut = SageGRPOTrainer._cut_hint
+    got = cut(fake, req, HintResult("add 5 first<|eos|>\n<|assistant|> then 7 more"))
+    assert got.text == "add 5 first\nthen 7 more" and not got.failed
+    ids = tok(got.text, add_special_tokens=False)["input_ids"]
+    assert not set(ids) & {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    assert cut(fake, req, HintResult("add 5 first")).text == "add 5 first"  # none there: untouched
+    assert fake._counts["hints_special_removed"] == 1
+    # taken out, the rest can name the answer ("1<|pad|>2" reads 1 2, but "<|pad|>12" reads 12): leak-checked again
+    leaked = cut(fake, req, HintResult("it is <|pad|>12"))
+    assert leaked.text is None and leaked.leaked
+    empty = cut(fake, req, HintResult("<|user|>"))
+    assert empty.text is None and empty.failed and not empty.leaked
+    assert fake._counts["hints_special_removed"] == 3
+
+
 def test_a_vllm_servers_context_is_read_from_its_models_endpoint():
     """Server mode with no max_prompt_length: the main process asks the server (vLLM's /v1/models carries
     max_model_len) and every process gets the answer."""
