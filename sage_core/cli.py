@@ -452,7 +452,8 @@ def cmd_hints(args: argparse.Namespace) -> int:
     wrote leaked the answer, FILE.jsonl is not written (one already there stays as it was), FILE.partial.jsonl keeps
     the others and the command exits 1; a chunk the teacher answered none of ends the asking (down or hung: each
     chunk more would wait on it). An endpoint is checked before the first request (up, serving the model, taking the
-    API key)."""
+    API key). Each row names the teacher that wrote it (hints.teacher_label); a FILE.partial.jsonl another teacher
+    began is not resumed where there is anything to ask (the two teachers' hints would be mixed in one file)."""
     spec = build_spec(args.preset, args.spec, args.set)
     teacher = args.teacher or spec.teacher
     if not teacher:
@@ -481,13 +482,19 @@ def cmd_hints(args: argparse.Namespace) -> int:
         raise SpecError(f"--out {out}: a hints file is written as JSON lines: name it .jsonl")
     if args.chunk < 1:
         raise SpecError(f"--chunk {args.chunk}: at least 1")
-    from .data import build_dataset
+    from .data import _is_blank, build_dataset, read_records
     from .hints import (HintContext, HintRequest, TeacherHints, pick_hints, problem_sha, read_hint_variants,
-                        write_hints)
+                        teacher_label, write_hints)
 
     rows = build_dataset(spec)
     shas = {r["prompt_id"]: problem_sha(r["problem"]) for r in rows}
+    teacher_model = args.teacher_model or spec.teacher_model
+    me = teacher_label(teacher, teacher_model)
     variants = read_hint_variants(partial) if partial.exists() else {}
+    # who wrote each hint there (None: a file written before hints were labelled, or by hand)
+    by = {(str(r["prompt_id"]), int(r["level"]), None if _is_blank(r.get("problem_sha")) else str(r["problem_sha"])):
+          None if _is_blank(r.get("teacher")) else str(r["teacher"])
+          for r in (read_records(str(partial), "hints")[0] if variants else ())}
     done, redo = pick_hints({k: v for k, v in variants.items() if k[0] in shas}, shas, loose=False)
     redo = [k for k in redo if k[1] in levels]
     # every hint there for another problem (another spec's prompt ids, another problem_sha under this spec's ids):
@@ -497,6 +504,12 @@ def cmd_hints(args: argparse.Namespace) -> int:
             if pid not in shas or sha not in (None, shas[pid])]
     other_ids = sum(pid not in shas for pid, *_ in kept)
     unmarked = sum(None in by_sha for (pid, _), by_sha in variants.items() if pid in shas)
+    reqs = [HintRequest(r["prompt_id"], r["problem"], r["solution"], r["answer"], lvl)
+            for r in rows for lvl in levels if (r["prompt_id"], lvl) not in done]
+    if reqs and (others := sorted({t for t in by.values() if t not in (None, me)})):  # nothing to ask: nothing mixed
+        raise SpecError(f"--out {out}: {partial} holds hints written by another teacher ({', '.join(others)}), and "
+                        f"this command's teacher is {me}: the two would be mixed in one file. Finish it with that "
+                        f"teacher, or move {partial} away to start over")
     if done or kept or unmarked:
         print(f"resuming: {len(done)} hints already in {partial}"
               + (f"; {len(redo)} others there were not written for this spec's problems (their problem_sha differs "
@@ -504,14 +517,15 @@ def cmd_hints(args: argparse.Namespace) -> int:
                                                   "beside them" if unmarked else ", the old ones kept beside them")
                  if redo else "")
               + (f"; {other_ids} hints for prompt ids not in this spec: kept as they are" if other_ids else ""))
-    reqs = [HintRequest(r["prompt_id"], r["problem"], r["solution"], r["answer"], lvl)
-            for r in rows for lvl in levels if (r["prompt_id"], lvl) not in done]
 
-    def save() -> None:  # this spec's hints, each with its problem_sha, and every hint kept for other problems
-        write_hints(partial, [(pid, lv, text, shas[pid]) for (pid, lv), text in done.items()] + kept)
+    def save() -> None:  # this spec's hints, each with its problem_sha, and every hint kept for other problems,
+        # each with the teacher that wrote it
+        write_hints(partial, [(pid, lv, text, shas[pid], by.get((pid, lv, shas[pid]), me))
+                              for (pid, lv), text in done.items()]
+                    + [(pid, lv, text, sha, by.get((pid, lv, sha))) for pid, lv, text, sha in kept])
 
     # checked (an endpoint asked) only where there is something to ask it
-    source = TeacherHints(teacher, args.teacher_model or spec.teacher_model, spec.hint_max_tokens) if reqs else None
+    source = TeacherHints(teacher, teacher_model, spec.hint_max_tokens) if reqs else None
 
     def no_policy(*_):
         raise AssertionError("the teacher writes every hint")

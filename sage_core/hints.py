@@ -841,6 +841,17 @@ def _local_model_generate(path: str) -> GenerateFn:
 HINTS_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
+def teacher_label(teacher: str, model: str | None = None) -> str:
+    """The teacher `sage hints` writes into each row it writes: an endpoint's URL (no trailing /) or a local
+    model's absolute path, with the model name asked of an endpoint (teacher_model) where one is given."""
+    if teacher.startswith(("http://", "https://")):
+        name = teacher.rstrip("/")
+    else:
+        p = Path(teacher).expanduser()
+        name = str(p.resolve()) if p.exists() else teacher
+    return f"{name} (model {model})" if model else name
+
+
 def is_hints_file(teacher: str) -> bool:
     """A teacher given as a hints file (.jsonl, .json or .parquet, in any case) rather than a model or a URL."""
     return not teacher.startswith(("http://", "https://")) and Path(teacher).suffix.lower() in HINTS_FILE_SUFFIXES
@@ -941,10 +952,10 @@ def pick_hints(variants: HintVariants, shas: dict[str, str] | None = None,
     return hints, stale
 
 
-def write_hints(path: Path, hints: Sequence[tuple[str, int, str] | tuple[str, int, str, str | None]],
-                shas: dict[str, str] | None = None) -> None:
+def write_hints(path: Path, hints: Sequence[tuple], shas: dict[str, str] | None = None) -> None:
     """Write a hints file; `shas` (prompt id -> problem_sha) adds to each row the hash of the problem it was
-    written for. A row given as (prompt id, level, hint, problem_sha) carries its own problem_sha (None: none)."""
+    written for. A row given as (prompt id, level, hint, problem_sha) carries its own problem_sha (None: none), and
+    one given as (prompt id, level, hint, problem_sha, teacher) also the teacher that wrote it (teacher_label)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w") as f:
@@ -953,6 +964,8 @@ def write_hints(path: Path, hints: Sequence[tuple[str, int, str] | tuple[str, in
             sha = own[0] if own else (shas or {}).get(pid)
             if sha is not None:
                 rec["problem_sha"] = sha
+            if len(own) > 1 and own[1] is not None:
+                rec["teacher"] = own[1]
             f.write(json.dumps(rec) + "\n")
     tmp.replace(path)
 

@@ -1278,3 +1278,35 @@ def test_sage_hints_stops_after_a_chunk_the_teacher_answered_none_of(monkeypatch
     err = capsys.readouterr().err
     assert "sage hints: 2 of 4 hints failed" in err and "so the other 2 hints were not asked for" in err
     assert len(teacher.bodies) == 2 * 3 and not out.exists()  # the first chunk's 2 requests, 3 tries each
+
+
+def test_sage_hints_never_resumes_a_partial_file_another_teacher_began(monkeypatch, tmp_path, capsys):
+    """Each row `sage hints` writes names its teacher; a run with another teacher is refused before it asks anything,
+    the partial file unchanged, where it would have mixed the two teachers' hints in one file. The same teacher
+    resumes, and rows written before hints were labelled (no teacher) are taken as they are."""
+    from sage_core import cli
+
+    _fast_retries(monkeypatch)
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    out, partial = tmp_path / "teacher.jsonl", tmp_path / "teacher.partial.jsonl"
+    args = ["hints", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--levels", "1", "--out", str(out),
+            "--chunk", "1"]
+    with _ChatEndpoint(lambda body: (200, "Work from left to right .") if len(first.bodies) == 1
+                       else (400, "quota exhausted")) as first:
+        assert cli.main([*args, "--teacher", first.url + "/"]) == 2  # one hint written, then refused
+        capsys.readouterr()
+    rows = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert [r["teacher"] for r in rows] == [first.url]  # the URL, without its trailing /
+    before = partial.read_bytes()
+    with _ChatEndpoint(lambda body: (200, "Add them up .")) as second:
+        assert cli.main([*args, "--teacher", second.url, "--teacher-model", "m"]) == 2
+        err = capsys.readouterr().err
+        assert f"holds hints written by another teacher ({first.url}), and this command's teacher is " \
+               f"{second.url} (model m)" in err and "move" in err
+        assert second.bodies == [] and partial.read_bytes() == before and not out.exists()
+        # a file without teacher labels (written before them, or by hand) is resumed by any teacher
+        partial.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "teacher"}) + "\n" for r in rows))
+        assert cli.main([*args, "--teacher", second.url, "--teacher-model", "m"]) == 0
+    got = {r["prompt_id"]: r.get("teacher") for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(got.values(), key=str) == [None, f"{second.url} (model m)"]
+    assert sum("Solution:" in b["messages"][-1]["content"] for b in second.bodies) == 1  # the one hint not there
