@@ -11,6 +11,7 @@ Every hint passes the leak guard: a hint that contains the gold answer is reject
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -529,20 +530,56 @@ def _startup_wait() -> float:
 
 def _send(client, method: str, url: str, deadline: float, body: dict | None = None) -> tuple[int, str, str | None]:
     """One HTTP request's status, text and Location header (redirects are not followed), cut off at `deadline`
-    (time.monotonic()): httpx's timeout bounds each read alone, so a server that trickles its reply would hold the
-    request for ever. Raises an httpx.TransportError (a timeout past the deadline)."""
+    (time.monotonic()): httpx's timeout bounds each read alone, so a server that trickles its reply (its head
+    included) would hold the request for ever. The body is read chunk by chunk against the deadline; before the head
+    is whole, a timer shuts the request's socket down at the deadline (the client keeps no idle connection, so each
+    request opens its own, and httpx's trace extension names its network stream). Raises an httpx.TransportError
+    (httpx.ReadTimeout past the deadline)."""
+    import socket
+
     import httpx
 
     left = deadline - time.monotonic()
     if left <= 0:
         raise httpx.TimeoutException("no time left")
-    with client.stream(method, url, json=body, timeout=left) as resp:
-        data = bytearray()
-        for chunk in resp.iter_bytes():
-            data += chunk
-            if time.monotonic() > deadline:
-                raise httpx.ReadTimeout("the reply was still coming at the deadline")
-        return resp.status_code, data.decode(errors="replace"), resp.headers.get("location")
+    streams = []
+
+    def trace(event: str, info: dict) -> None:
+        if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+            streams.append(info["return_value"])
+
+    def cut() -> None:
+        for stream in streams:
+            with contextlib.suppress(OSError, AttributeError):
+                # the plain socket's shutdown: an SSLSocket's own also unsets the SSL object the reading thread uses
+                socket.socket.shutdown(stream.get_extra_info("socket"), socket.SHUT_RDWR)
+
+    timer = threading.Timer(left, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        with client.stream(method, url, json=body, timeout=left, extensions={"trace": trace}) as resp:
+            data = bytearray()
+            for chunk in resp.iter_bytes():
+                data += chunk
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("the reply was still coming at the deadline")
+            return resp.status_code, data.decode(errors="replace"), resp.headers.get("location")
+    except httpx.TransportError as e:
+        if time.monotonic() >= deadline and not isinstance(e, httpx.TimeoutException):  # cut by the timer
+            raise httpx.ReadTimeout("the reply was still coming at the deadline") from e
+        raise
+    finally:
+        timer.cancel()
+
+
+def _teacher_client(headers: dict | None = None):
+    """The httpx client of a teacher endpoint: no idle connection is kept, so that each request has a socket of its
+    own that _send can shut down at its deadline (a connection a request reuses opens before it: its trace shows no
+    stream)."""
+    import httpx
+
+    return httpx.Client(headers=headers, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 # how servers word a request over their context (HTTP 400): vLLM and OpenAI "maximum context length", llama.cpp
@@ -727,7 +764,7 @@ def _openai_generate(base_url: str, model: str | None, concurrency: int = TEACHE
 
     url = base_url.rstrip("/") + "/chat/completions"
     key = _teacher_key()
-    client = httpx.Client(headers={"Authorization": f"Bearer {key}"} if key else None)
+    client = _teacher_client({"Authorization": f"Bearer {key}"} if key else None)
     if check:
         _check_endpoint(client, base_url, model)
     too_long: list[int] = []  # requests the server found over its context (warned about once)

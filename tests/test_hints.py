@@ -1,5 +1,6 @@
 """Hint sources and the leak guard."""
 
+import contextlib
 import json
 
 import pytest
@@ -998,6 +999,23 @@ def test_an_endpoint_that_hangs_trickles_or_stays_down_costs_one_bounded_try_per
     assert got[0].failed and not got[0].leaked and len(slow.bodies) == 1 and took < 5
     assert "1 of 1 hint requests got no answer" in caplog.text and "ReadTimeout" in caplog.text
 
+    def trickle_head(handler):  # the status line and headers a byte every 50 ms: never a whole head
+        for byte in b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" * 20:
+            try:
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    caplog.clear()
+    with _ChatEndpoint(lambda body: trickle_head) as slow:
+        start = time.monotonic()
+        got = TeacherHints(slow.url).get([req()], HintContext(generate=ScriptedModel([]), retries=2))
+        took = time.monotonic() - start
+    assert got[0].failed and len(slow.bodies) == 1 and took < 5  # it held the request for 50 s before
+    assert "1 of 1 hint requests got no answer" in caplog.text and "ReadTimeout" in caplog.text
+
     caplog.clear()
     monkeypatch.setattr(hints, "_openai_generate", partial(hints._openai_generate, backoff=0.01, concurrency=2))
     reqs = [req(pid=f"p{i}") for i in range(10)]
@@ -1310,3 +1328,64 @@ def test_sage_hints_never_resumes_a_partial_file_another_teacher_began(monkeypat
     got = {r["prompt_id"]: r.get("teacher") for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(got.values(), key=str) == [None, f"{second.url} (model m)"]
     assert sum("Solution:" in b["messages"][-1]["content"] for b in second.bodies) == 1  # the one hint not there
+
+
+def test_a_tls_endpoint_that_trickles_its_reply_head_is_cut_off_at_the_deadline(tmp_path):
+    """Over https the socket _send shuts down at the deadline is the TLS one (the TCP socket under it is detached):
+    the request ends at its deadline with a ReadTimeout, not 50 s later, nor with an error from inside ssl."""
+    import datetime
+    import socket
+    import ssl
+    import threading
+    import time
+
+    import httpx
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from sage_core import hints
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(__import__("ipaddress").ip_address(
+                "127.0.0.1"))]), critical=False).sign(key, hashes.SHA256()))
+    (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "k.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def trickle(conn):
+        try:
+            with server_ctx.wrap_socket(conn, server_side=True) as s:
+                s.recv(65536)
+                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: yes\r\n" * 40:
+                    s.send(bytes([byte]))
+                    time.sleep(0.05)
+        except OSError:
+            pass
+
+    def accept():
+        with contextlib.suppress(OSError):
+            while True:
+                threading.Thread(target=trickle, args=(listener.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    client = httpx.Client(verify=ssl.create_default_context(cafile=str(tmp_path / "c.pem")),
+                          limits=httpx.Limits(max_keepalive_connections=0))
+    try:
+        start = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout, match="still coming at the deadline"):
+            hints._send(client, "POST", f"https://127.0.0.1:{port}/v1/chat/completions", time.monotonic() + 0.5, {})
+        assert time.monotonic() - start < 3
+    finally:
+        client.close()
+        listener.close()
