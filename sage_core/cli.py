@@ -331,7 +331,7 @@ def check_eval_output(path: str | None) -> None:
     folder, or a folder that cannot be made for it."""
     if path is None:
         return
-    p = Path(path)
+    p = Path(path).expanduser()
     if p.suffix.lower() not in (".parquet", ".json"):
         raise SpecError(f"--output {path}: the table is written as .parquet or .json, not "
                         f"{p.suffix or 'a file without extension'}")
@@ -386,8 +386,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         except ValidationError as e:
             raise SpecError(format_validation_error(e)) from None
     for name, path in benchmarks.items():
-        if path not in ("synthetic", "heldout") and not Path(path.rsplit(":", 1)[0]).exists() and not re.fullmatch(
-                r"[\w.-]+/[\w.-]+(:[\w.-]+)?", path):
+        # the path itself (a file name may hold a colon), else a dataset folder with its NAME:CONFIG configuration
+        here = any(Path(p).expanduser().exists() for p in (path, path.rsplit(":", 1)[0]))
+        if path not in ("synthetic", "heldout") and not here and not re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?", path):
             raise SpecError(f"--benchmark {name}={path}: no such file (and not an HF dataset name)")
     spec = _as_trained(spec, args)
     if args.output:  # the table written over a data file it was scored on would lose that file
@@ -415,11 +416,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         table = pd.concat([scores(m).assign(step=s, model=m) for s, m in checkpoints], ignore_index=True)
     else:
         table = scores(args.model)
-    if args.output:
+    if args.output:  # ~ as the input check above takes it (a .json went to a folder named ~ in the cwd)
         if args.output.lower().endswith(".parquet"):
-            table.to_parquet(args.output, index=False)
+            table.to_parquet(Path(args.output).expanduser(), index=False)
         else:
-            Path(args.output).write_text(json.dumps(_jsonable(table), indent=2))
+            Path(args.output).expanduser().write_text(json.dumps(_jsonable(table), indent=2))
     print(table.to_string(index=False) if hasattr(table, "to_string") else json.dumps(_jsonable(table), indent=2))
     return 0
 

@@ -644,6 +644,40 @@ def test_eval_hands_spec_settings_to_evaluate(capsys, tmp_path, monkeypatch):
     assert rc == 2 and "no such file" not in err and "openai/gsm8k:main: no such local file or folder" in err, err
 
 
+def test_eval_takes_a_benchmark_file_with_a_colon_in_its_name_or_under_home(capsys, tmp_path, monkeypatch):
+    """A benchmark file whose name holds a colon (a time stamp) or that is given under ~ is there: the data loader
+    reads both, and `sage eval` must not refuse them as neither a file nor an HF dataset name. An --output under ~
+    goes there too, .json as .parquet."""
+    import types
+
+    import pandas as pd
+
+    seen = {}
+
+    def fake_evaluate(model_ref, benchmarks, **kw):
+        seen.update({k: len(v) for k, v in benchmarks.items()})
+        return pd.DataFrame([{"benchmark": n, "k": kw["k"], "avg_at_k": 0.5, "pass_at_k": 1.0, "n_prompts": len(v)}
+                             for n, v in benchmarks.items()])
+
+    monkeypatch.setitem(sys.modules, "sage_core.evaluate", types.SimpleNamespace(evaluate=fake_evaluate))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    from sage_core.data import synthetic_rows
+
+    text = "\n".join(json.dumps({"problem": r["problem"], "answer": r["answer"]}) for r in synthetic_rows(4, seed=3))
+    (tmp_path / "eval-12:30.jsonl").write_text(text)
+    (tmp_path / "colon").mkdir()
+    (tmp_path / "home.jsonl").write_text(text)
+    rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", f"colon={tmp_path / 'eval-12:30.jsonl'}",
+                         "--benchmark", "home=~/home.jsonl", "--k", "1")
+    assert rc == 0, err
+    assert seen == {"colon": 4, "home": 4}
+    monkeypatch.chdir(tmp_path / "colon")  # --output under ~ is written there, not into a folder named ~ here
+    for out in ("~/eval.json", "~/eval.parquet"):
+        rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "home=~/home.jsonl", "--output", out)
+        assert rc == 0, err
+        assert (tmp_path / out[2:]).is_file() and not (tmp_path / "colon" / "~").exists()
+
+
 def test_eval_tiny_for_real(capsys, tmp_path, tiny_model_dir):
     """`sage eval` on the offline tiny model with the real sage_core.evaluate (HF generate, 3 prompts, k=2)."""
     import pandas as pd
