@@ -36,7 +36,7 @@ def _as_rows(rows: Any, name: str = "rows") -> list[dict[str, Any]]:
     if isinstance(rows, (str, bytes)) or hasattr(rows, "__fspath__"):
         rows = load_benchmark(str(rows))
     out = [dict(r) for r in rows]
-    if all(is_normalised(r) for r in out):
+    if out and all(is_normalised(r) for r in out):  # none: normalise_records' "no rows", not a NaN score
         check_unique(out, name)
         return out
     return normalise_records(out, name, for_hints=False)  # DataError on a row without an answer, on shared ids
@@ -121,9 +121,11 @@ def generate_hf(model, tokenizer, texts: Sequence[str], k: int = 4, temperature:
     import torch
 
     per_call = max(1, batch_size // k)
-    was_training, old_side = model.training, tokenizer.padding_side
+    was_training, old_side, old_pad = model.training, tokenizer.padding_side, tokenizer.pad_token
     model.eval()
     tokenizer.padding_side = "left"
+    if old_pad is None:  # a tokenizer without one (Llama's, from AutoTokenizer) pads the batch with its EOS
+        tokenizer.pad_token = tokenizer.eos_token
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sample = temperature > 0
     gen_kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, do_sample=sample,
@@ -162,6 +164,8 @@ def generate_hf(model, tokenizer, texts: Sequence[str], k: int = 4, temperature:
                     out.append(group if sample else group * k)
     finally:
         tokenizer.padding_side = old_side
+        if old_pad is None:
+            tokenizer.pad_token = None
         if old_config is not None:
             model.generation_config = old_config
         model.train(was_training)

@@ -116,6 +116,19 @@ def test_rows_given_directly_with_a_shared_prompt_id_or_no_answer_are_refused_be
 
 
 @pytest.mark.filterwarnings("ignore:.*answer-free")
+def test_an_empty_benchmark_is_refused_before_generating(tok):
+    """A benchmark of no rows (a list or a Dataset) is a DataError naming it, as an empty file is, not a row of NaN
+    scores over 0 prompts logged as if evaluated."""
+    import datasets
+
+    rows = data.synthetic_rows(2, seed=1)
+    for empty in ([], datasets.Dataset.from_list([])):
+        fake = FakeModel(tok, rows)
+        with pytest.raises(data.DataError, match="empty: no rows"):
+            evaluate((fake, tok), {"full": rows, "empty": empty}, k=2)
+        assert fake.seen_prompts == []
+
+
 def test_rows_given_directly_are_normalised_as_files_are(tok):
     """Rows passed to evaluate() in a source layout (GSM8K's 'rationale #### 72' answer cell, a \\boxed{} answer, a
     'question' column, 'id') were scored against the raw answer text (never right) or failed on the missing
@@ -290,6 +303,22 @@ def test_tiny_model_easy_beats_hard(tiny):
     # same seed, same numbers
     again = evaluate_rows(model, tok, easy[:12], k=2, max_new_tokens=40, seed=5)
     assert again == evaluate_rows(model, tok, easy[:12], k=2, max_new_tokens=40, seed=5)
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_its_eos_and_is_given_back_as_it_was(tiny):
+    """A (model, tokenizer) pair whose tokenizer has no pad token (Llama's, loaded with AutoTokenizer) is evaluated
+    as the same pair with pad = EOS; the tokenizer keeps having none."""
+    model, tok = tiny
+    rows = data.synthetic_rows(3, seed=33, difficulty="easy")
+    padded = evaluate_rows(model, tok, rows, k=2, temperature=0.0, max_new_tokens=24)
+    pad = tok.pad_token
+    tok.pad_token = None
+    try:
+        res = evaluate_rows(model, tok, rows, k=2, temperature=0.0, max_new_tokens=24)
+        assert tok.pad_token is None
+    finally:
+        tok.pad_token = pad
+    assert res == padded  # the padding is masked: the same greedy completions
 
 
 def test_greedy_gives_k_identical_samples(tiny):
