@@ -110,6 +110,7 @@ def resolve_benchmarks(spec: RunSpec, benchmarks: dict[str, str] | None) -> dict
 
     if not benchmarks:
         return default_benchmarks(spec)
+    tracking.check_benchmark_names(benchmarks)  # before any eval: their MLflow metrics would overwrite each other
     out: dict[str, Any] = {}
     for name, path in benchmarks.items():
         p = Path(path).expanduser()

@@ -469,6 +469,24 @@ def _eval_table_to_merge(run_id: str) -> pd.DataFrame | None:
         return pd.read_parquet(client().download_artifacts(run_id, EVAL_ARTIFACT, tmp))
 
 
+def eval_metric_name(benchmark: str) -> str:
+    """A benchmark's name as its eval metrics spell it (`eval/<when>/<name>/...`): every character MLflow refuses in
+    a metric name, and the / that would nest it, is written _, as is a name of dots only (MLflow refuses . and ..)."""
+    name = re.sub(r"[^\w.\- :]", "_", str(benchmark))
+    return "_" * len(name) if set(name) <= {"."} else name
+
+
+def check_benchmark_names(names) -> None:
+    """Raises ValueError where two benchmark names would log the same eval metrics (eval_metric_name): one would
+    overwrite the other's in MLflow, while eval.parquet kept both."""
+    seen: dict[str, str] = {}
+    for name in map(str, names):
+        other = seen.setdefault(eval_metric_name(name), name)
+        if other != name:
+            raise ValueError(f"benchmarks {other!r} and {name!r} would log the same eval metrics "
+                             f"(eval/<when>/{eval_metric_name(name)}/...): rename one")
+
+
 def log_eval(df: pd.DataFrame, when: str, run_id: str | None = None) -> pd.DataFrame:
     """Merge `df` (benchmark, k, avg_at_k, pass_at_k, n_prompts) as `when` (before|after) into the run's
     `eval/eval.parquet` (re-logging the same (benchmark, when, k) replaces it) and log metrics
@@ -487,13 +505,14 @@ def log_eval(df: pd.DataFrame, when: str, run_id: str | None = None) -> pd.DataF
     old = _eval_table_to_merge(rid)
     merged = new if old is None else pd.concat([old, new], ignore_index=True)
     merged = merged.drop_duplicates(subset=["benchmark", "when", "k"], keep="last").reset_index(drop=True)
+    check_benchmark_names(merged["benchmark"].unique())  # also against an earlier call's names: before logging
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "eval.parquet"
         merged.to_parquet(path, index=False)
         client().log_artifact(rid, str(path), "eval")
     metrics: dict[str, float] = {}
     for row in new.itertuples(index=False):
-        name = re.sub(r"[^0-9A-Za-z_\-\.]", "_", str(row.benchmark))
+        name = eval_metric_name(row.benchmark)
         metrics[f"eval/{when}/{name}/avg_at_{int(row.k)}"] = row.avg_at_k
         metrics[f"eval/{when}/{name}/pass_at_{int(row.k)}"] = row.pass_at_k
     log_metrics(metrics, step=0, run_id=rid)

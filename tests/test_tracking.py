@@ -384,6 +384,31 @@ def test_log_eval_merges_and_logs_metrics(store, tmp_path):
         tracking.log_eval(before, "during", run_id=rid)
 
 
+def test_eval_metrics_of_two_benchmarks_never_share_a_name(store):
+    """Names were cleaned to [A-Za-z0-9_.-], so "math 500" and "math_500" logged the same MLflow metric, one
+    overwriting the other while eval.parquet kept both. Characters MLflow takes (space, colon) are kept; names that
+    still collide are refused before anything is logged, also against an earlier call's names."""
+    rid = tracking.open_run(RunSpec(), "train", experiment="t-eval-names")
+    table = pd.DataFrame({"benchmark": ["math 500", "gsm8k:main", "a/b", ".."], "k": [4] * 4,
+                          "avg_at_k": [0.1, 0.2, 0.3, 0.4], "pass_at_k": [0.5] * 4, "n_prompts": [8] * 4})
+    tracking.log_eval(table, "after", run_id=rid)
+    m = tracking.client().get_run(rid).data.metrics
+    assert {k: v for k, v in m.items() if k.endswith("avg_at_4")} == {
+        "eval/after/math 500/avg_at_4": 0.1, "eval/after/gsm8k:main/avg_at_4": 0.2, "eval/after/a_b/avg_at_4": 0.3,
+        "eval/after/__/avg_at_4": 0.4}
+    other = table.iloc[:1].assign(benchmark="math_500", avg_at_k=0.9)  # a metric of its own now
+    tracking.log_eval(other, "after", run_id=rid)
+    m = tracking.client().get_run(rid).data.metrics
+    assert m["eval/after/math 500/avg_at_4"] == 0.1 and m["eval/after/math_500/avg_at_4"] == 0.9
+    clash = table.iloc[:1].assign(benchmark="a_b", avg_at_k=0.9)
+    for bad in (clash, pd.concat([clash.assign(benchmark="x/y"), clash.assign(benchmark="x_y")])):
+        with pytest.raises(ValueError, match=r"'a/b' and 'a_b' would log the same eval metrics \(eval/<when>/a_b/"
+                                             r"...\): rename one|'x/y' and 'x_y'"):
+            tracking.log_eval(bad, "after", run_id=rid)
+    assert tracking.client().get_run(rid).data.metrics["eval/after/a_b/avg_at_4"] == 0.3
+    assert sorted(tracking.load_eval(rid).benchmark) == ["..", "a/b", "gsm8k:main", "math 500", "math_500"]
+
+
 def test_log_eval_never_writes_over_a_table_it_could_not_read(store, monkeypatch):
     """The eval table is read, merged and written back: a download that failed for a moment was taken for "no table
     yet", and the new rows were written over the earlier ones (the before-training eval, other benchmarks)."""
