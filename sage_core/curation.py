@@ -138,7 +138,7 @@ def trl_advantages(rewards: Sequence[float], scale_rewards: str = "group", eps: 
 def signal(rewards: Sequence[float], scale_rewards: str = "group") -> float:
     """S = sum_i A_i 1[R_i = 1]: the group's push on grad p is S / (p(1-p)) (see the module docstring)."""
     r = np.asarray(rewards, dtype=float)
-    return float((trl_advantages(r, scale_rewards) * (r > 0.5)).sum())
+    return float((trl_advantages(r, scale_rewards) * (r > 0)).sum())
 
 
 def balanced_rewards(G: int) -> list[float]:
@@ -273,7 +273,8 @@ class _Curation(Scheduler):
 
 
 def _k(rewards: Sequence[float]) -> int:
-    return sum(1 for r in rewards if r > 0.5)
+    """Successes: rewards > 0, as gate.pass_rate and SAGE count them (a weighted reward's success may be < 1)."""
+    return sum(1 for r in rewards if r > 0)
 
 
 # ---------------------------------------------------------------------------------------------- dapo-filter
@@ -331,8 +332,8 @@ class _Pooled(_Curation):
         level = tries[0][0]
         rows = [(t, j, r) for t, (lvl, rs) in enumerate(tries) if lvl == level for j, r in enumerate(rs)]
         G = len(tries[0][1])
-        pos = [(t, j) for t, j, r in rows if r > 0.5]
-        neg = [(t, j) for t, j, r in rows if r <= 0.5]
+        pos = [(t, j) for t, j, r in rows if r > 0]
+        neg = [(t, j) for t, j, r in rows if r <= 0]
         k1 = _k(tries[0][1])
         if not pos or not neg:  # collapsed pool: the pilot, no signal
             self._count(tries, False, 1.0, len(pos) / len(rows))

@@ -18,10 +18,11 @@ def collapsed(rewards: Sequence[float], tol: float = 1e-6) -> bool:
 
 
 def group_state(rewards: Sequence[float], tol: float = 1e-6) -> str:
-    """'all0' (every rollout failed), 'all1' (every rollout succeeded), 'mixed' (the gate is open)."""
+    """'all0' (every rollout failed), 'all1' (every rollout succeeded), 'mixed' (the gate is open). A success is a
+    reward > 0, as pass_rate and SAGE's trigger count it (a reward weight of 0.5 makes a correct rollout's 0.5)."""
     if not collapsed(rewards, tol):
         return "mixed"
-    return "all1" if rewards[0] > 0.5 else "all0"
+    return "all1" if rewards[0] > 0 else "all0"
 
 
 def pass_rate(rewards: Sequence[float]) -> float:

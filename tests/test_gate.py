@@ -112,3 +112,19 @@ def test_smoothed_pass_rate_stays_inside_and_pass_rate_counts(k, extra):
     if n:
         assert gate.pass_rate([1.0] * k + [0.0] * extra) == pytest.approx(k / n)
     assert math.isnan(gate.pass_rate([]))
+
+
+def test_a_success_is_a_reward_above_zero_wherever_it_is_counted():
+    """A reward weight (TRL's reward_weights) of 0.5 makes a correct rollout's reward 0.5: the tracker's group state,
+    SAGE's trigger and the curation methods' success counts must all read it as a success, or an all-correct group
+    is logged as all-zero (sage/frac_all_zero) and DAPO's filter swaps every mixed group for a fresh prompt."""
+    from sage_core.curation import DapoFilter, signal
+    from sage_core.schedulers import SAGE
+
+    right, wrong, mixed = [0.5] * 4, [0.0] * 4, [0.5, 0.0, 0.0, 0.5]
+    assert gate.group_state(right) == "all1" and gate.pass_rate(right) == 1.0
+    assert gate.group_state(wrong) == "all0" and gate.group_state(mixed) == "mixed"
+    assert SAGE().next_action("x", [(0, right)]) is None and SAGE().next_action("x", [(0, wrong)]).level == 1
+    assert DapoFilter().next_action("x", [(0, mixed)]) is None  # a mixed group is kept, not swapped
+    assert DapoFilter().next_action("x", [(0, right)]).mode == "new_prompt"
+    assert signal(mixed) > 0
