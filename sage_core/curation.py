@@ -238,12 +238,21 @@ class _Curation(Scheduler):
         m["p_tilde"] += p_tilde
         m["new_prompts"] += new_prompts
 
-    def metrics(self) -> dict[str, float]:
-        """This step's curation counters (the trainer logs them as sage/<key>), then reset.
+    def metric_counts(self) -> dict[str, float]:
+        """This step's raw counters, then reset: the trainer sums them over processes and hands the sum to
+        `metrics` (a mean of each process's ratio is not the ratio: rollouts_per_mixed, sel_weight)."""
+        m = self._m
+        self._reset_metrics()
+        return m
+
+    def metrics(self, counts: dict[str, float] | None = None) -> dict[str, float]:
+        """This step's curation counters (the trainer logs them as sage/<key>), then reset; or those of `counts`
+        (metric_counts summed over processes).
         rollouts_per_group: completions spent per prompt slot; rollouts_per_mixed: per trained mixed group (DAPO's
         'rollouts per kept group'); extra_rounds: tries beyond the first; mixed_frac: trained groups with signal;
         sel_weight: mean Selection.weight over mixed groups; p_tilde: mean pool pass-rate estimate."""
-        m, n = self._m, self._m["groups"]
+        m = self.metric_counts() if counts is None else counts
+        n = m["groups"]
         if n == 0:
             return {}
         out = {
@@ -256,7 +265,6 @@ class _Curation(Scheduler):
         }
         if isinstance(self, DapoFilter):
             out["new_prompts"] = m["new_prompts"] / n
-        self._reset_metrics()
         return out
 
     def _weight(self, k1: int, G: int, picked: list[float], pool_k: int, pool_n: int,

@@ -443,10 +443,8 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         # its longest completion whatever its width, so these, not the rows, set a step's rollout time there
         m["sage/rollout_passes"].append(float(1 + self._passes["reroll"]))
         m["sage/hint_passes"].append(float(self._passes["hint"]))
-        stats = gather_object([self.scheduler.metrics() if hasattr(self.scheduler, "metrics") else {}])
-        for k in stats[0]:
-            vals = [d[k] for d in stats if k in d and d[k] == d[k]]
-            m[f"sage/{k}"].append(sum(vals) / len(vals) if vals else float("nan"))
+        for k, v in scheduler_metrics(self.scheduler).items():
+            m[f"sage/{k}"].append(v)
         return new_ids, new_comp, None, new_completions, new_lp, extra, images, tool_images
 
     def _make_try(self, level, hint, rows, prompt_ids, completion_ids, completions, logprobs, rpf) -> Try:
@@ -941,6 +939,21 @@ def read_per_process_file(path: str | os.PathLike) -> list:
         raise DataError(f"{path} cannot be read ({e}); remove {checkpoint} to resume from the checkpoint before it, "
                         "or start over (--no-resume)") from e
     return saved
+
+
+def scheduler_metrics(scheduler: Scheduler, gather=gather_object) -> dict[str, float]:
+    """The step's scheduler metrics over every process's groups (every process calls it together): counters summed
+    over processes, then the ratios formed (curation methods' metric_counts); a scheduler with only `metrics()`
+    has each metric averaged over the processes that have it."""
+    if hasattr(scheduler, "metric_counts"):
+        counts = gather([scheduler.metric_counts()])
+        return scheduler.metrics({k: sum(c[k] for c in counts) for k in counts[0]})
+    stats = gather([scheduler.metrics() if hasattr(scheduler, "metrics") else {}])
+    out = {}
+    for k in stats[0]:
+        vals = [d[k] for d in stats if k in d and d[k] == d[k]]
+        out[k] = sum(vals) / len(vals) if vals else float("nan")
+    return out
 
 
 def _state_holds_observe(scheduler: Scheduler) -> bool:

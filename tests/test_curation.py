@@ -388,6 +388,21 @@ def test_dapo_filter_swaps_collapsed_groups_and_reports_rollouts_per_kept_group(
     assert s.metrics()["mixed_frac"] == 0.0
 
 
+def test_curation_metrics_of_two_processes_are_the_ratios_of_their_summed_counts():
+    """Each process finalizes its own groups; a ratio logged for the step is over both processes' groups, not the
+    mean of each process's ratio (a process with no kept group has none: its rollouts still count)."""
+    from sage_core.trainer import scheduler_metrics
+
+    G4 = lambda k: [1.0] * k + [0.0] * (4 - k)  # noqa: E731
+    rank0, rank1 = DapoFilter(max_rounds=3), DapoFilter(max_rounds=3)
+    rank0.finalize("a", [(0, G4(2))])  # kept at once: 4 rollouts
+    rank1.finalize("b", [(0, G4(0)), (0, G4(0)), (0, G4(0))])  # swapped twice, never mixed: 12 rollouts
+    m = scheduler_metrics(rank0, gather=lambda xs: xs + [rank1.metric_counts()])
+    assert m["rollouts_per_mixed"] == 16 / 1 and m["rollouts_per_group"] == 16 / 2
+    assert m["mixed_frac"] == 0.5 and m["new_prompts"] == 2 / 2 and m["sel_weight"] == 1.0
+    assert rank0.metrics() == {} and rank1.metrics() == {}  # read once, then reset
+
+
 def test_sage_light_plus_ada_seq_moves_levels_by_the_pilot_not_the_balanced_group():
     rng = np.random.default_rng(4)
     s = SageLightAdaSeq(light_min=0.1, light_max=0.35, max_rounds=3)
