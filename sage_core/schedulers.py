@@ -148,7 +148,7 @@ def make_scheduler(method: str, **kwargs) -> Scheduler:
     cls = SCHEDULERS[method]
     params = inspect.signature(cls.__init__).parameters
     scheduler = cls(**{k: v for k, v in kwargs.items() if k in params})
-    return curation.with_weighting(scheduler, kwargs.get("weighting", "none"))
+    return curation.with_weighting(scheduler, kwargs.get("weighting", "none"), kwargs.get("scale_rewards", "group"))
 
 
 from . import curation  # noqa: E402  (registers dapo-filter, ada-seq, ada-est, sage-light+ada-seq)

@@ -67,3 +67,16 @@ def test_make_scheduler_names_the_bad_method():
     with pytest.raises(ValueError, match="bogus"):
         make_scheduler("bogus")
     assert make_scheduler("sage-light", light_min=0.0, light_max=0.5, unrelated=3).light_max == 0.5
+
+
+def test_a_weighted_scheduler_is_weighted_for_the_advantages_it_is_given():
+    """make_scheduler hands scale_rewards to the weighting wrapper: with TRL's scale_rewards='none' a group's
+    advantages are r - mean (no std), and the weight h S_ref / S_sel must be taken with those."""
+    from sage_core.curation import pilot_weight, reference_signal, signal
+
+    s = make_scheduler("sage", weighting="log", scale_rewards="none")
+    assert s.scale_rewards == "none"
+    rewards = [1.0, 0.0, 0.0, 0.0]
+    sel = s.finalize("x", [(0, rewards)])
+    expected = pilot_weight(1, 4, "log") * reference_signal(4, "none") / signal(rewards, "none")
+    assert sel.weight == pytest.approx(expected)

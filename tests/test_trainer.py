@@ -1228,3 +1228,20 @@ def test_a_checkpoints_prompt_pool_or_scheduler_rng_file_that_does_not_read_is_r
         (ckpt / name).write_text("[3]")
         check_checkpoint(ckpt)
         assert SageGRPOTrainer._saved_by_process(me, str(ckpt), name, "the draws") == 3
+
+
+def test_a_scheduler_weighted_for_other_advantages_is_refused(tiny_model_dir, tmp_path):
+    """A weighted method's Selection.weight (h S_ref / S_sel) is made for the group advantages TRL computes: one built
+    for scale_rewards='group' on a trainer that scales with 'none' would train another objective, silently."""
+    from sage_core.reward import boxed_reward
+    from sage_core.schedulers import make_scheduler
+    from sage_core.train import _trainer_inputs
+    from sage_core.trainer import SageGRPOTrainer
+
+    args, dataset, model, tokenizer = _trainer_inputs(small("ada-seq"), tmp_path)
+    args.scale_rewards = "none"
+    kw = dict(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset, processing_class=tokenizer)
+    with pytest.raises(ValueError, match="scale_rewards='none'"):
+        SageGRPOTrainer(**kw, scheduler=make_scheduler("ada-seq"))  # weighted (log) for 'group'
+    trainer = SageGRPOTrainer(**kw, scheduler=make_scheduler("ada-seq", scale_rewards="none"))
+    assert trainer.scheduler.scale_rewards == "none"
