@@ -556,8 +556,9 @@ def tracker_frame(uri: str, run_id: str, artifact_uri: str, n_files: int, ended:
 
 @st.cache_data(show_spinner=False, max_entries=32)
 def prompt_detail(uri: str, run_id: str, artifact_uri: str, n_files: int, prompt_id: str,
-                  steps: tuple[int, ...]) -> pd.DataFrame:
-    """Every tracker row (all columns) of one prompt, reading (and fetching) only the step files it appears in."""
+                  steps: tuple[int, ...], ended: str = "") -> pd.DataFrame:
+    """Every tracker row (all columns) of one prompt, reading (and fetching) only the step files it appears in.
+    Cached by `ended` too, as tracker_frame: a resumed run that ends again has rewritten its steps' files."""
     def of_steps(names: list[str]) -> list[str]:
         by_step = {int(TRACKER_RE.match(n).group(1)): n for n in names}
         return [by_step[s] for s in steps if s in by_step] or names
@@ -570,8 +571,9 @@ def prompt_detail(uri: str, run_id: str, artifact_uri: str, n_files: int, prompt
 
 
 @st.cache_data(show_spinner=False, max_entries=4)
-def prompt_texts(uri: str, run_id: str, artifact_uri: str, n_files: int) -> pd.DataFrame:
-    """prompt_id -> problem, answer (first time each prompt appears: its first file, its first row there).
+def prompt_texts(uri: str, run_id: str, artifact_uri: str, n_files: int, ended: str = "") -> pd.DataFrame:
+    """prompt_id -> problem, answer (first time each prompt appears: its first file, its first row there); cached
+    by `ended` too, as tracker_frame.
 
     The first file of each prompt comes from the light tables' prompt ids, so only those files are read for text
     (a 3000-step run of 10k prompts: about 50 files), not every file of the run.
@@ -825,6 +827,11 @@ class Context:
     def run(self, run_id: str) -> pd.Series:
         return self.runs.set_index("run_id").loc[run_id]
 
+    def ended(self, run_id: str) -> str:
+        """The run's end time as a cache key ("" while it has none): what is computed from its tracker files is
+        cached by (run id, number of files, this), so a run resumed and ended again is read again."""
+        return _end_key(self.run(run_id).get("end_time"))
+
     def label(self, run_id: str) -> str:
         r = self.run(run_id)
         parts = [r["run_name"], r["method"] + (f"/{r['hint_source']}" if r["hint_source"] else "")]
@@ -873,4 +880,4 @@ def tracker_for(ctx: Context, run_id: str) -> tuple[pd.DataFrame, int]:
     last = r.get("last_step")  # files past an ended run's last step (sorted last): [:n] leaves them out
     n = len(names) if last is None or pd.isna(last) else sum(int(TRACKER_RE.match(x).group(1)) <= last
                                                              for x in names)
-    return tracker_frame(ctx.uri, run_id, r["artifact_uri"], n, _end_key(r.get("end_time"))), n
+    return tracker_frame(ctx.uri, run_id, r["artifact_uri"], n, ctx.ended(run_id)), n
