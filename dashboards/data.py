@@ -411,9 +411,12 @@ def _read_tables(paths: list[Path], columns: list[str], prompt_id: str | None = 
 
 
 def _defaults(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
-    """Fill columns an older tracker did not write, so the pages can rely on the contract's columns."""
+    """Fill columns an older tracker did not write, so the pages can rely on the contract's columns; also their nulls
+    in the integer columns, where an older file's rows are read together with a newer file's (as LIGHT_FILL)."""
     for col in columns:
         if col in df.columns:
+            if col in ("level", "max_level_tried", "rollouts", "difficulty") and df[col].isna().any():
+                df[col] = df[col].fillna(-1 if col == "difficulty" else 0).astype("int64")
             continue
         if col in BOOL_COLUMNS:
             df[col] = False

@@ -567,6 +567,33 @@ def test_explorer_says_a_swapped_out_prompt_was_not_trained(monkeypatch, tmp_pat
         assert says in step_line, step_line
 
 
+def test_explorer_shows_a_step_of_an_older_tracker_file_among_newer_ones(monkeypatch, tmp_path):
+    """A run whose first tracker file lacks a column a newer file has (`max_level_tried`, as the light frame's test
+    writes it): a prompt's rows read from both hold nulls there for the older file's; the explorer shows its step as
+    the contract's default, not a ValueError (int of NaN)."""
+    from dashboards import data as D
+
+    try:
+        from tests.dashboard_fixtures import _experiment, _store, make_prompts, tracker_step
+    except ImportError:
+        from dashboard_fixtures import _experiment, _store, make_prompts, tracker_step
+
+    uri, client = _store(tmp_path)
+    rid = client.create_run(_experiment(client, tmp_path, "older"), run_name="older").info.run_id
+    folder = D.local_artifact_dir(client.get_run(rid).info.artifact_uri) / "tracker"
+    folder.mkdir(parents=True)
+    prompts, rng = make_prompts(2), np.random.default_rng(0)
+    for step, drop in ((1, ["max_level_tried", "rollouts"]), (2, [])):
+        df = tracker_step(prompts, step, 4, "grpo", rng)
+        df["base_state"], df["base_pass_rate"], df["pass_rate"] = "all0", 0.0, 0.0
+        df.drop(columns=drop).to_parquet(folder / f"step_{step:06d}.parquet", index=False)
+    at = _ok(_app(monkeypatch, uri).run())
+    _ok(at.switch_page(PAGES["explorer"]).run())
+    _ok(at.selectbox(key="explorer_step::syn-00000").set_value(1).run())
+    assert "(tried up to 0)" in at.markdown[1].value
+    assert _frame(at, "rollouts")["rollouts"].tolist() == [0, 4]
+
+
 def test_variants_page_compares_the_study(monkeypatch, dashboard_store):
     s = dashboard_store
     at = _ok(_app(monkeypatch, s["uri"]).run())
