@@ -248,13 +248,16 @@ def _quantities(hint: str) -> str:
     """The hint as the numeric leak check reads it: the Unicode minus written -, a spaced sign after = joined to
     its number, LaTeX digit grouping written plainly
     (10{,}000, 10,\\!000 and 10\\,000 are 10,000), and the numbers that name no quantity left out: exponents and
-    subscripts (x^2, 3^{4}, a_1), step numbers (Step 2) and list labels (1. Let n be ...)."""
+    subscripts (x^2, 3^{4}, a_1), step numbers (Step 2:, **Step 2**, STEP 2.), the level a hint request names, as a
+    hint's title echoes it (Level 2 hint:, Hint (level 2):), and list labels (1. Let n be ...)."""
     h = _drop_list_labels(hint.replace(MINUS, "-"))
     h = re.sub(r"(=\s*)-\s+(?=\.?\d)", r"\1-", h)  # x = - 5: after =, a spaced minus is a sign, not a subtraction
     h = re.sub(r"\{,\}", ",", h)
     h = re.sub(r"(?<=\d),?\\[,!;:]\s*(?=\d{3}(?!\d))", ",", h)
     h = re.sub(r"[\^_]\s*(?:\{[^{}]*\}|-?\d+(?:\.\d+)?)", "p", h)  # a letter: x^2-4 stays a subtraction
-    return re.sub(r"\b([Ss]tep)\s+\d+\s*(?=[:.)])", r"\1", h)  # a label (Step 2:), not 5 steps 20 times
+    # a label (Step 2:, **Step 2**: in Markdown), not 5 steps 20 times
+    h = re.sub(r"\b(step)\s+\d+\s*(?=[*_]+|[:.),])", r"\1", h, flags=re.IGNORECASE)
+    return re.sub(r"\b(level)\s+[1-3]\b(?=[\s*_]*(?:hint\b|[):\]]))", r"\1", h, flags=re.IGNORECASE)
 
 
 def leaks(hint: str, answer: str) -> bool:

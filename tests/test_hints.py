@@ -133,6 +133,14 @@ def req(pid="p1", level=3, answer="9"):
     ("Therefore B is correct.", "B", True),
     ("Pick D, since the others fail.", "D", True),
     ("He walks 5 steps 20 times in all.", "20", True),
+    # step labels as models write them (Markdown, capitals), and the level the hint request names echoed as a title
+    ("**Step 1**: factor the quadratic.", "1", False),
+    ("STEP 2: factor the quadratic.", "2", False),
+    ("In step 2, factor the quadratic.", "2", False),
+    ("**Step 2**: the total is 2.", "2", True),
+    ("Level 2 hint: factor the quadratic first.", "2", False),
+    ("**Hint (Level 3):** write an equation.", "3", False),
+    ("Level 1 hint: the answer is 1.", "1", True),
     ("so option B is right", "B", True),
     ("so the answer is C", "\\text{(C)}", True),
     # a fraction at a sentence's end or before a comma is still a fraction; 1/2.5 is still 1 over 2.5
