@@ -199,8 +199,9 @@ def _word_values(text: str) -> set[Fraction]:
 def _answer_value(answer: str) -> Fraction | None:
     """The answer's value where the answer is one number (17, 9.0, 0.5, 1,234, 3/4, -\\frac{3}{4}, \\frac{-3}{4};
     also with LaTeX thin spaces, a percent sign, a degree sign (^\\circ, \\degree or the character \u00b0), an escaped
-    dollar sign, a unit after it as in 5\\text{ cm}, inside \\text{}, or after a variable as in x = 3), else None."""
-    a = re.sub(r"\s", "", _clean(answer))
+    dollar sign, LaTeX digit grouping (10{,}000), a unit after it as in 5\\text{ cm}, inside \\text{}, or after a
+    variable as in x = 3), else None."""
+    a = re.sub(r"\s", "", _clean(answer)).replace("{,}", ",")  # MATH's 10{,}000, as the reward reads it
     a = re.sub(r"^[a-zA-Z](?:_\{?\w+\}?)?=", "", a)  # x=3, x_1=3
     a = re.sub(r"(?<=[\d}])" + _TEXT + r"(?:\^\{?\d\}?)?$", "", a)  # a unit: 5\text{cm}, 3\mathrm{m}^2
     a = re.sub("^" + _TEXT + "$", r"\1", a)  # \text{5}

@@ -115,6 +115,9 @@ def req(pid="p1", level=3, answer="9"):
     ("it is $10{,}000$", "10000", True),
     ("it is $10\\,000$ in all", "10000", True),
     ("$1{,}000{,}000$ ways", "1000000", True),
+    ("there are 10000 ways", "10{,}000", True),
+    ("about 1,234 coins", "1{,}234", True),
+    ("about 234 coins", "1{,}234", False),
     # numbers that name no quantity: exponents, subscripts, step numbers; a quantity beside them still counts
     ("Factor x^2-4 first.", "2", False),
     ("Use \\sin^2 x + \\cos^2 x = 1.", "2", False),
