@@ -503,29 +503,34 @@ def rows_changed(old: list, new: list) -> str:
     return "; ".join(parts) or "the same rows in another order"
 
 
-def check_training_rows(output_dir: str | Path, dataset, data: str, resuming: bool, main: bool = True) -> None:
+def check_training_rows(output_dir: str | Path, dataset, data: str, resuming: bool, main: bool = True) -> str:
     """A run records the rows it starts on (`<output_dir>/training_rows.json`, by prompt id: a digest of its prompt,
     problem, solution and answer, in order); a resume whose rows differ (the data file was edited, or another one
     now has its path) raises a DataError naming the rows, before anything of the run is touched: it would train
     other prompts under the first ones' ids (their tracker history, SAGE-LIGHT levels and fixed hints). A run
-    started before this file existed records its rows at its next resume. The main process writes the file."""
+    started before this file existed records its rows at its next resume. The main process writes the file. Not
+    resuming (no checkpoint), it returns what changed or was added since the rows recorded there ("" for none, or no
+    record): a run that failed before its first checkpoint left fixed hints for its own rows."""
     from .data import DataError
 
     path, rows = Path(output_dir) / TRAINING_ROWS, row_digests(dataset)
     try:
-        old = json.loads(path.read_text(encoding="utf-8"))["rows"] if resuming else None
+        old = json.loads(path.read_text(encoding="utf-8"))["rows"]
     except (OSError, ValueError, KeyError, TypeError):  # none (an older run's folder) or unreadable: recorded anew
         old = None
-    if old is not None:
+    if old is not None and resuming:
         if changed := rows_changed(old, rows):
             raise DataError(f"{output_dir}: the training rows of {data} are not the ones this run started on "
                             f"({changed}); resuming would train other prompts under their ids: train them into "
                             "another output dir, or start this run over (resume off: sage train --no-resume)")
-        return
+        return ""
+    before = dict(map(tuple, old or []))
+    changed = rows_changed(old, rows) if old is not None and any(before.get(p) != d for p, d in rows) else ""
     if main:
         tmp = path.with_name(f".{TRAINING_ROWS}.{os.getpid()}")
         tmp.write_text(json.dumps({"data": data, "rows": rows}))
         tmp.replace(path)
+    return changed
 
 
 def is_done(spec: RunSpec, step: int, state: TrainerState) -> bool:
@@ -563,8 +568,8 @@ def _train(spec: RunSpec, output_dir: str | Path, callbacks, resume: bool) -> Tr
     trainer = build_trainer(spec, output_dir, [*callbacks, clock], check_teacher=not done)
     clock.not_training = lambda: trainer.eval_seconds
     # before anything of the run is discarded: a resume trains on the rows the run started on, or not at all
-    check_training_rows(output_dir, trainer.train_dataset, spec.data, resuming=ckpt is not None,
-                        main=trainer.accelerator.is_main_process)
+    new_rows = check_training_rows(output_dir, trainer.train_dataset, spec.data, resuming=ckpt is not None,
+                                   main=trainer.accelerator.is_main_process)
     if stale := trainer.tracker.discard_after(step):
         log.warning("%s: %d tracker files of steps after %s were discarded (written after the last checkpoint, "
                     "or by an earlier run); those steps are trained again", output_dir, len(stale),
@@ -574,13 +579,18 @@ def _train(spec: RunSpec, output_dir: str | Path, callbacks, resume: bool) -> Tr
         # first to write had read it before (every process reads before it writes)
         from accelerate.utils import gather_object
 
-        earlier = next((e for e in gather_object([earlier]) if e), [])
-    if not resume or (ckpt is None and earlier):
+        gathered = gather_object([(earlier, new_rows)])
+        earlier = next((e for e, _ in gathered if e), [])
+        new_rows = next((n for _, n in gathered if n), "")
+    if not resume or (ckpt is None and (earlier or new_rows)):
         # starting over: nothing an earlier run left (fixed hints, checkpoints, model) is read
         trainer.hint_source.start_over(delete=trainer.accelerator.is_main_process)
         if earlier and resume:
             log.warning("%s: a run of another spec (%s) failed here before its first step: its hints are not "
                         "used", output_dir, "; ".join(earlier))
+        elif new_rows and resume:
+            log.warning("%s: a run failed here before its first step on other training rows (%s): its hints are "
+                        "not used", output_dir, new_rows)
         if not resume and trainer.accelerator.is_main_process and (gone := remove_earlier_models(output_dir)):
             log.warning("%s: starting over, removed the earlier run's %s", output_dir, ", ".join(gone))
         trainer.accelerator.wait_for_everyone()

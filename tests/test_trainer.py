@@ -340,6 +340,37 @@ def test_fixed_hints_of_a_run_of_another_spec_that_failed_before_its_first_step_
             (tmp_path / f).unlink()
 
 
+def test_fixed_hints_of_a_run_that_failed_before_its_first_step_on_other_rows_are_not_used(tiny_model_dir, tmp_path):
+    """A run that wrote its fixed hints and failed before its first checkpoint; the data file is then corrected (the
+    same ids, other problems) and the same spec run again: its initial policy writes hints for the new problems, the
+    first run's (written for the old ones under the same ids) are not read. The same rows run again read them."""
+    from transformers import TrainerCallback
+
+    class Crash(TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            raise RuntimeError("crash")
+
+    data = tmp_path / "data.jsonl"
+
+    def write(n):
+        data.write_text("".join(json.dumps({"prompt_id": f"q{i}", "problem": f"What is {i} + {n} ?",
+                                            "answer": str(i + n), "solution": f"{i} + {n} = {i + n} ."}) + "\n"
+                                for i in range(4)))
+
+    write(3)
+    spec = small("sage-light", hint_source="fixed", max_steps=1, data=str(data), num_prompts=4, prompts_per_step=4)
+    out, path = tmp_path / "run", tmp_path / "run" / "fixed_hints.jsonl"
+    with pytest.raises(RuntimeError, match="crash"):
+        train(spec, out, callbacks=[Crash()])
+    assert not list(out.glob("checkpoint-*")) and path.exists()
+    path.write_text(path.read_text().replace('"hint": "', '"hint": "MARKER '))
+    for n, kept in ((3, True), (4, False)):  # the same rows: read; other problems under the same ids: written again
+        write(n)
+        with pytest.raises(RuntimeError, match="crash"):
+            train(spec, out, callbacks=[Crash()])
+        assert ("MARKER" in path.read_text()) is kept
+
+
 def test_a_checkpoint_cut_short_while_saving_is_not_resumed_from(tmp_path):
     """A kill after HF's files but before the trainer's side files (fresh-prompt pool, scheduler generator, training
     seconds: written last) leaves a checkpoint that looks whole to HF: the one before it is resumed from. Folders
