@@ -215,8 +215,7 @@ def _open_tracking(spec, out: Path, args: argparse.Namespace) -> tuple[list, str
     from . import tracking
 
     _forget_run_id(spec, out, fresh=args.no_resume)
-    rid, resumed = tracking.resume_or_create_run(spec, "train", out, experiment=args.experiment or
-                                                 tracking.DEFAULT_EXPERIMENT)
+    rid, resumed = tracking.resume_or_create_run(spec, "train", out, experiment=args.experiment)
     print(f"sage train: MLflow run {rid}{' (resumed)' if resumed else ''} at {tracking.tracking_uri()}",
           flush=True)
     return [tracking.MlflowTrackingCallback(run_id=rid, output_dir=out)], rid
@@ -666,8 +665,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             from . import tracking
 
             _forget_run_id(p.spec, out)
-            run_id, _ = tracking.resume_or_create_run(p.spec, "train", out, experiment=args.experiment or
-                                                      tracking.DEFAULT_EXPERIMENT)
+            run_id, _ = tracking.resume_or_create_run(p.spec, "train", out, experiment=args.experiment)
         with _sigterm_raises("launch"):  # stopped (Ctrl-C, SIGTERM): its run KILLED, its vLLM server stopped
             try:
                 res = L.launch(spec, out, check=False, mlflow_run_id=run_id, **kw)

@@ -196,7 +196,7 @@ def open_run(spec: RunSpec, kind: str, experiment: str = DEFAULT_EXPERIMENT, run
         if run is not None and run.info.lifecycle_stage != "deleted":
             c.update_run(run_id, status="RUNNING")
             c.set_tag(run_id, COMPLETE_TAG, "false")  # complete again only when this attempt finishes
-            if LAST_STEP_TAG in run.data.tags:  # set again when this attempt ends (killed: all its steps count)
+            if LAST_STEP_TAG in run.data.tags:  # set again when this attempt ends (killed: at the step it reached)
                 c.delete_tag(run_id, LAST_STEP_TAG)
             frid = prefect_flow_run_id()
             if frid:
@@ -344,17 +344,28 @@ def write_run_id(output_dir: str | Path, run_id: str) -> None:
     tmp.replace(p / RUN_ID_FILE)
 
 
-def resume_or_create_run(spec: RunSpec, kind: str, output_dir: str | Path, experiment: str = DEFAULT_EXPERIMENT,
-                         run_name: str | None = None, parent_run_id: str | None = None,
+def resume_or_create_run(spec: RunSpec, kind: str, output_dir: str | Path,
+                         experiment: str | None = DEFAULT_EXPERIMENT, run_name: str | None = None,
+                         parent_run_id: str | None = None,
                          tags: Mapping[str, Any] | None = None) -> tuple[str, bool]:
-    """The run recorded in `<output_dir>/mlflow_run_id` reopened (after a crash), or a new one recorded there.
+    """The run recorded in `<output_dir>/mlflow_run_id` reopened (after a crash), or a new one recorded there, in
+    `experiment` (None: DEFAULT_EXPERIMENT). A reopened run stays in the experiment it was created in (MLflow cannot
+    move a run): where that is not `experiment` (when one is given) a warning says so.
 
     Returns (run_id, resumed).
     """
     previous = read_run_id(output_dir)
-    rid = open_run(spec, kind, experiment, run_name, parent_run_id, run_id=previous, tags=tags)
+    rid = open_run(spec, kind, experiment or DEFAULT_EXPERIMENT, run_name, parent_run_id, run_id=previous, tags=tags)
     if rid != previous:
         write_run_id(output_dir, rid)
+    elif experiment is not None:
+        c = client()
+        name = c.get_experiment(c.get_run(rid).info.experiment_id).name
+        if name != experiment:
+            log.warning("MLflow run %s, resumed from %s, is in experiment %r, not %r: a resumed run logs into the "
+                        "run it started (MLflow cannot move a run to another experiment); for a run in %r, train in "
+                        "another output dir (or start over: --no-resume)", rid, output_dir, name, experiment,
+                        experiment)
     return rid, rid == previous
 
 
@@ -634,6 +645,8 @@ class MlflowTrackingCallback(TrainerCallback):
         self.pending: list[tuple[dict[str, float], int, int]] = []  # (metrics, step, ms) MLflow did not take yet
         self.checkpoint_logged: Path | None = None
         self.owns_run = False
+        self.step: int | None = None  # the global step this attempt reached (the main process's hooks)
+        self.began = False  # a Trainer began training (on_train_begin): not the done path, which trains nothing
         self._ready = False
 
     # -- internals
@@ -694,6 +707,7 @@ class MlflowTrackingCallback(TrainerCallback):
         next step, not allowed to end the training (the steps since the last checkpoint would be lost)."""
         from mlflow.exceptions import MlflowException
 
+        self.step = int(step or 0)
         if logs and (metrics := numeric_metrics(logs)):
             self.pending.append((metrics, int(step or 0), int(time.time() * 1000)))
         try:
@@ -710,6 +724,8 @@ class MlflowTrackingCallback(TrainerCallback):
 
         if state.is_world_process_zero:
             self._setup(args)
+            self.step = state.global_step
+            self.began = True
             # a resumed run trains the steps after its checkpoint again: their files are uploaded again when
             # written (the run's copies, from before a kill, belong to the discarded trajectory)
             self.uploaded = {n for n in self.uploaded if (step_of(n) or 0) <= state.global_step}
@@ -737,7 +753,9 @@ class MlflowTrackingCallback(TrainerCallback):
         final/, as the run's `checkpoint/` with its step in the tag `sage.checkpoint_step`; a run this callback
         opened is finished. (The last checkpoint-N is not that model where a rollout budget stopped training
         between saves, nor for LoRA, whose checkpoints hold the adapter.) A run with nothing left to train calls no
-        Trainer hook first: its output dir is final/'s folder, and tracker files not in the MLflow run yet go up."""
+        Trainer hook first: its output dir is final/'s folder, and tracker files not in the MLflow run yet go up;
+        final/ goes up unless the run has it already (its `sage.checkpoint_step` is this step: a finished run entered
+        again, whose model is not copied to the artifact store once more)."""
         if self.output_dir is None:  # no on_train_begin gave it (sage_core.train's done path trains nothing)
             self.output_dir = Path(final).parent
         self._setup()
@@ -745,9 +763,10 @@ class MlflowTrackingCallback(TrainerCallback):
         # (resumed with a lower max_steps or rollout_budget); MLflow cannot delete them, the dashboard leaves them out
         client().set_tag(self.run_id, LAST_STEP_TAG, str(global_step))
         if self.log_checkpoint and Path(final).is_dir():
-            log_checkpoint(final, self.run_id)
+            if self.began or client().get_run(self.run_id).data.tags.get("sage.checkpoint_step") != str(global_step):
+                log_checkpoint(final, self.run_id)
+                client().set_tag(self.run_id, "sage.checkpoint_step", str(global_step))
             self.checkpoint_logged = Path(final)
-            client().set_tag(self.run_id, "sage.checkpoint_step", str(global_step))
         # what MLflow refused while training, and the tracker files it lacks (all of them, where nothing trained
         # now), once the model is saved (an error here loses no training)
         self.flush()
@@ -758,7 +777,11 @@ class MlflowTrackingCallback(TrainerCallback):
     def end_run(self, error: BaseException) -> None:
         """Training ended by `error` (sage_core.train calls it): a run this callback opened is ended KILLED where it
         was stopped, FAILED otherwise (end_status), not left RUNNING with no end time; a run the caller gave is the
-        caller's to end. Only the process that opened it (the main one) ends it."""
+        caller's to end. Only the process that opened it (the main one) ends it. Either way the run's last step
+        (`sage.last_step`) is the one this attempt reached: steps past it in the run are an earlier attempt's, of a
+        trajectory this one, resumed from an earlier checkpoint, left (not this run's model, nor trained again)."""
+        if self.step is not None and self.run_id is not None:  # the main process, once training began
+            client().set_tag(self.run_id, LAST_STEP_TAG, str(self.step))
         if self.owns_run and self.run_id is not None:
             finish_run(self.run_id, status=end_status(error))
 

@@ -74,6 +74,25 @@ def test_open_run_tags_params_spec_and_resume(store, tmp_path):
     assert not resumed and rid3 != rid and tracking.read_run_id(out) == rid3
 
 
+def test_a_run_resumed_with_another_experiment_says_where_it_logs(store, tmp_path, caplog):
+    """`sage train --mlflow --experiment B` resuming an output dir whose run is in experiment A reopens that run, in A
+    (MLflow cannot move a run): a warning names both, where nothing said the experiment asked for was not used. No
+    experiment given (None): no warning, and a new run goes to the default experiment."""
+    out = tmp_path / "out"
+    rid, _ = tracking.resume_or_create_run(RunSpec(), "train", out, experiment="t-exp-a")
+    with caplog.at_level("WARNING", logger="sage_core.tracking"):
+        assert tracking.resume_or_create_run(RunSpec(), "train", out, experiment="t-exp-b") == (rid, True)
+    assert "'t-exp-a', not 't-exp-b'" in caplog.text
+    assert tracking.client().get_experiment_by_name("t-exp-b") is None  # nothing was made there
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sage_core.tracking"):
+        assert tracking.resume_or_create_run(RunSpec(), "train", out, experiment=None) == (rid, True)
+        new, resumed = tracking.resume_or_create_run(RunSpec(), "train", tmp_path / "other", experiment=None)
+    assert not caplog.text and not resumed
+    c = tracking.client()
+    assert c.get_experiment(c.get_run(new).info.experiment_id).name == tracking.DEFAULT_EXPERIMENT
+
+
 def test_run_resumed_with_a_changed_spec_describes_the_new_spec(store, tmp_path):
     """A finished 1-step run resumed with max_steps=2 (a resumable field) in its output dir: the same MLflow run now
     describes the 2-step spec (spec key, spec.json, `sage.resumed.max_steps`; the param cannot change) and is not
@@ -312,6 +331,47 @@ def test_a_run_resumed_with_fewer_steps_ends_at_its_last_step(store, tmp_path):
     assert shown() == ([1, 2, 3], ["killed", "resumed", "killed"])
 
 
+def test_a_run_resumed_from_an_earlier_checkpoint_and_stopped_again_ends_at_the_step_it_reached(store, tmp_path):
+    """Killed at step 3, resumed from checkpoint-1 and killed again at step 2: the run's step 3 (metric point,
+    tracker file) is the first attempt's, of a trajectory the run left. The callback tells the run where this
+    attempt stopped (`sage.last_step`), so the dashboard leaves step 3 out as it does for a finished run; it showed
+    it (and its reward as the run's latest) as the run's own."""
+    from dashboards import data as D
+
+    out, exp = tmp_path / "train", "t-last-step-killed"
+    tdir = out / "tracker"
+    tdir.mkdir(parents=True)
+    args, ctl = SimpleNamespace(output_dir=str(out)), TrainerControl()
+    rid, _ = tracking.resume_or_create_run(RunSpec(max_steps=4), "train", out, experiment=exp)
+    cb = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
+    cb.on_train_begin(args, _state(0), ctl)
+    for step in (1, 2, 3):
+        pd.DataFrame({"step": [step], "prompt_id": ["first"]}).to_parquet(tdir / f"step_{step:06d}.parquet")
+        cb.on_log(args, _state(step), ctl, logs={"reward": 0.0})
+    cb.end_run(KeyboardInterrupt())
+    tracking.finish_run(rid, "KILLED")
+    for step in (2, 3):  # resumed from checkpoint-1: the tracker discards the later steps' files
+        (tdir / f"step_{step:06d}.parquet").unlink()
+    assert tracking.resume_or_create_run(RunSpec(max_steps=4), "train", out, experiment=exp) == (rid, True)
+    resumed = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
+    resumed.on_train_begin(args, _state(1), ctl)
+    pd.DataFrame({"step": [2], "prompt_id": ["second"]}).to_parquet(tdir / "step_000002.parquet")
+    resumed.on_log(args, _state(2), ctl, logs={"reward": 1.0})
+    resumed.end_run(KeyboardInterrupt())
+    tracking.finish_run(rid, "KILLED")
+
+    c = tracking.client()
+    assert c.get_run(rid).data.tags[tracking.LAST_STEP_TAG] == "2"
+    uri, exp_id = tracking.tracking_uri(), c.get_run(rid).info.experiment_id
+    D.runs.clear()
+    runs = D.runs(uri, exp_id)
+    row = runs.set_index("run_id").loc[rid]
+    hist = D.metric_history(uri, rid, ["reward"], row["status"], row["end_time"], row["last_step"])
+    frame, _ = D.tracker_for(D.Context(uri, exp_id, exp, runs, [rid]), rid)
+    assert list(hist["step"]) == [1, 2] and list(frame["prompt_id"]) == ["first", "second"]
+    assert row["metrics"]["reward"] == 1.0
+
+
 def test_an_mlflow_store_failing_for_a_while_does_not_end_the_training(store, tmp_path, monkeypatch):
     """The callback logged each step synchronously and let MLflow's error through: a store that failed once (a
     server restarting for longer than the client retries, a locked sqlite file) ended the training, losing every
@@ -493,6 +553,29 @@ def test_a_run_with_nothing_left_to_train_is_finished_by_the_callback_that_opens
     assert cb.run_id == rid and cb.owns_run and tracking.is_complete(run)
     assert run.data.tags["sage.checkpoint_step"] == "1" and run.data.tags[tracking.LAST_STEP_TAG] == "1"
     assert [a.path for a in tracking.client().list_artifacts(rid, "tracker")] == ["tracker/step_000001.parquet"]
+
+
+def test_a_finished_run_entered_again_does_not_upload_its_model_again(store, tmp_path, monkeypatch):
+    """`sage train --mlflow` run again on a finished run trains nothing (train's done path), and its callback copied
+    final/ to the run's checkpoint/ once more each time (a whole model, to a remote store too). The run has that
+    step's model already (sage.checkpoint_step): nothing is uploaded; a run trained now uploads its model."""
+    monkeypatch.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
+    out = tmp_path / "again"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "config.json").write_text("{}")
+    rid, _ = tracking.resume_or_create_run(RunSpec(max_steps=1, seed=17), "train", out, experiment="t-again")
+    uploads = []
+    real = tracking.log_checkpoint
+    monkeypatch.setattr(tracking, "log_checkpoint", lambda path, run_id: uploads.append(run_id) or real(path, run_id))
+    tracking.MlflowTrackingCallback(run_id=rid, output_dir=out).log_final_model(out / "final", 1)  # done path
+    assert uploads == [rid] and tracking.has_artifact(rid, "checkpoint/config.json")
+    again = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out)
+    again.log_final_model(out / "final", 1)
+    assert uploads == [rid] and again.checkpoint_logged == out / "final"
+    trained = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out)
+    trained.on_train_begin(SimpleNamespace(output_dir=str(out)), _state(1), TrainerControl())
+    trained.log_final_model(out / "final", 1)
+    assert uploads == [rid, rid]
 
 
 @pytest.mark.parametrize("error, status", [(KeyboardInterrupt(), "KILLED"), (RuntimeError("boom"), "FAILED")])
