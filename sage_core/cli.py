@@ -499,11 +499,12 @@ def cmd_hints(args: argparse.Namespace) -> int:
     redo = [k for k in redo if k[1] in levels]
     # every hint there for another problem (another spec's prompt ids, another problem_sha under this spec's ids):
     # the teacher wrote it, so it goes into every rewrite of the file and into --out, as it is. One without
-    # problem_sha under this spec's ids is replaced: training would take it for this spec's problem
+    # problem_sha under this spec's ids, at a level asked for, is replaced: training would take it for this spec's
+    # problem (one at a level not asked for is not this command's to replace, and stays as it is)
     kept = [(pid, lv, text, sha) for (pid, lv), by_sha in variants.items() for sha, text in by_sha.items()
-            if pid not in shas or sha not in (None, shas[pid])]
+            if pid not in shas or sha not in (None, shas[pid]) or sha is None and lv not in levels]
     other_ids = sum(pid not in shas for pid, *_ in kept)
-    unmarked = sum(None in by_sha for (pid, _), by_sha in variants.items() if pid in shas)
+    unmarked = sum(None in by_sha for (pid, lv), by_sha in variants.items() if pid in shas and lv in levels)
     reqs = [HintRequest(r["prompt_id"], r["problem"], r["solution"], r["answer"], lvl)
             for r in rows for lvl in levels if (r["prompt_id"], lvl) not in done]
     if reqs and (others := sorted({t for t in by.values() if t not in (None, me)})):  # nothing to ask: nothing mixed

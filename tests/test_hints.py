@@ -813,6 +813,24 @@ def test_sage_hints_never_lets_a_hint_without_problem_sha_stand_for_this_specs_p
     assert (row["prompt_id"], 1) not in src.hints
 
 
+def test_sage_hints_keeps_a_hint_without_problem_sha_at_a_level_it_does_not_ask_for(monkeypatch, tmp_path, capsys):
+    """--levels 1 over a file whose level-2 hint under this spec's prompt id has no problem_sha: that hint is neither
+    asked again (its level is not asked for) nor dropped from --out, where it was lost."""
+    from sage_core import cli
+    from sage_core.data import synthetic_rows
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    row = synthetic_rows(2, seed=0)[0]
+    out = tmp_path / "teacher.jsonl"
+    write_hints(tmp_path / "teacher.partial.jsonl", [(row["prompt_id"], 2, "A level-2 hint written before .")])
+    with _ChatEndpoint(lambda body: (200, "Work from left to right .")) as teacher:
+        assert cli.main(["hints", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--levels", "1",
+                         "--out", str(out), "--teacher", teacher.url]) == 0
+    assert sum("Solution:" in b["messages"][-1]["content"] for b in teacher.bodies) == 2  # level 1 of both rows
+    assert read_hint_variants(out)[(row["prompt_id"], 2)] == {None: "A level-2 hint written before ."}
+    assert "without problem_sha replaced" not in capsys.readouterr().out
+
+
 def test_teacher_paths_expand_home_and_take_hints_files_in_any_case(monkeypatch, tmp_path):
     """A teacher hints file named .JSONL is read as one (it was taken for a model: 'has no config.json'), and
     `~/h.jsonl` is found as data and model paths are."""
