@@ -145,6 +145,10 @@ def req(pid="p1", level=3, answer="9"):
     ("**Hint (Level 3):** write an equation.", "3", False),
     ("Level 1 hint: the answer is 1.", "1", True),
     ("so option B is right", "B", True),
+    # a word answer in another case is the answer; a single letter is not (x is not X, a is the article)
+    ("so the answer is yes", "Yes", True),
+    ("It falls on MONDAY.", "\\text{Monday}", True),
+    ("Try small values of x first.", "X", False),
     ("so the answer is C", "\\text{(C)}", True),
     # a fraction at a sentence's end or before a comma is still a fraction; 1/2.5 is still 1 over 2.5
     ("Halve it: 1/2.", "0.5", True),
