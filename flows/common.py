@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import math
 import os
 import time
@@ -43,13 +44,23 @@ def runs_root() -> Path:
     return tracking.sage_home() / "runs"
 
 
+def experiment_dir(experiment: str) -> Path:
+    """`<SAGE_HOME>/runs/<slug of experiment>`, with a hash of the name after it where the name is not its own slug
+    (capitals, `_`, spaces): two experiments of one slug ("sage_v2", "sage-v2") do not share run folders, where
+    the folder's `mlflow_run_id` would reopen the other experiment's run."""
+    name = slug(experiment)
+    if name != experiment:
+        name += "-" + hashlib.sha256(experiment.encode()).hexdigest()[:8]
+    return runs_root() / name
+
+
 def run_dir(experiment: str, label: str, spec: RunSpec, fresh: bool = False) -> Path:
-    """`<SAGE_HOME>/runs/<experiment>/<label>-<spec_key>`: the same spec resumes in the same folder.
+    """`<SAGE_HOME>/runs/<experiment>/<label>-<spec_key>` (experiment_dir): the same spec resumes in the same folder.
     `fresh` adds a timestamp and this process's id (force a new run: two started in one second get two)."""
     name = f"{slug(label)}-{spec.key()}"
     if fresh:
         name += time.strftime("-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
-    return runs_root() / slug(experiment) / name
+    return experiment_dir(experiment) / name
 
 
 def folder_for(experiment: str, label: str, spec: RunSpec, force: bool = False) -> Path:

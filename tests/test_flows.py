@@ -302,8 +302,9 @@ def test_slug_and_run_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SAGE_HOME", str(tmp_path))
     assert common.slug("Hint Study/Tiny_CPU") == "hint-study-tiny-cpu"
     s = RunSpec()
-    d = common.run_dir("My Exp", "sage-online", s)
-    assert d == tmp_path / "runs" / "my-exp" / f"sage-online-{s.key()}"
+    assert common.run_dir("my-exp", "sage-online", s) == tmp_path / "runs" / "my-exp" / f"sage-online-{s.key()}"
+    d = common.run_dir("My Exp", "sage-online", s)  # another experiment of that slug: a folder of its own
+    assert d.parent.name.startswith("my-exp-") and d.name == f"sage-online-{s.key()}"
     assert common.run_dir("My Exp", "sage-online", s, fresh=True) != d
     # the folder a flow trains in: run_dir's, unless a run there was resumed by hand with another spec
     assert common.folder_for("My Exp", "sage-online", s) == d
@@ -315,6 +316,20 @@ def test_slug_and_run_dir(tmp_path, monkeypatch):
     assert other != d and other.name.startswith(d.name + "-") and not other.exists()
     (d / "spec.json").write_text("{not json")  # unreadable: sage train's own folder check decides
     assert common.folder_for("My Exp", "sage-online", s) == d
+
+
+def test_experiments_of_one_slug_do_not_share_a_run(stubbed_train):
+    """"sage_v2" and "sage-v2" are two MLflow experiments with one slug: a flow run in the second trains its own run
+    there, not reopening the first's through a shared run folder's mlflow_run_id."""
+    import flows.train_flow as tf
+
+    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    kw = dict(label="grpo", benchmarks=None, evaluate_before=True, evaluate_after=True, force=False,
+              launcher="local", parent_run_id=None, variant=None, preset=None)
+    a = tf.run_training(spec, experiment="sage-v2", **kw)
+    b = tf.run_training(spec, experiment="sage_v2", **kw)
+    assert b["run_id"] != a["run_id"] and [r.info.run_id for r in tracking.find_runs("sage_v2")] == [b["run_id"]]
+    assert tracking.client().get_run(a["run_id"]).data.tags.get("sage.resumed") is None  # left as it finished
 
 
 def test_folder_for_reads_spec_json_as_sage_core_does(tmp_path, monkeypatch):
