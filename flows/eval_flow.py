@@ -91,6 +91,13 @@ def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, pre
         when: 'before' or 'after' (the label in eval/eval.parquet).
     """
     logger = get_run_logger()
+    if log_to_run:  # a run id that is not there fails now, not after the evaluation it was to take
+        from mlflow.exceptions import MlflowException
+
+        try:
+            tracking.client().get_run(log_to_run)
+        except MlflowException as e:
+            raise ValueError(f"log_to_run: no MLflow run {log_to_run!r} in {tracking.tracking_uri()}: {e}") from None
     ref, source_run = resolve_model(model)
     overrides = {"eval_k": k, "eval_temperature": temperature, "eval_top_p": top_p,
                  "max_completion_length": max_new_tokens, "use_vllm": use_vllm}

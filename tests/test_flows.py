@@ -271,6 +271,23 @@ def test_an_eval_run_is_tagged_with_the_method_that_trained_its_model(tmp_path, 
         "model": "tiny", "method": "sage", "hint_source": "fixed"}
 
 
+def test_an_eval_into_a_run_that_is_not_there_fails_before_evaluating(tmp_path, monkeypatch):
+    """sage-eval's `log_to_run` names a run of the store: a wrong id is refused, naming the parameter, before the
+    evaluation (hours on a large model), not when its results are logged."""
+    import logging
+
+    import flows.eval_flow as ef
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    evals = []
+    monkeypatch.setattr(ef, "get_run_logger", lambda: logging.getLogger("test-flow"))
+    monkeypatch.setattr(ef, "run_eval", lambda *a, **kw: evals.append(a) or [])
+    with pytest.raises(ValueError, match="log_to_run"):
+        ef.sage_eval.fn(model="tiny", log_to_run="0123456789abcdef")
+    assert evals == []
+
+
 def test_runs_model_is_downloaded_again_when_a_resumed_run_uploads_a_newer_checkpoint(tmp_path, monkeypatch):
     """`runs:/<id>` caches its download per `sage.checkpoint_step`: a resumed run keeps its id and uploads the model
     of a later step, which is what is evaluated then (not the cached earlier one); untagged, the cache is kept."""
