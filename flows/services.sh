@@ -14,7 +14,8 @@
 #
 # Environment: SAGE_HOME (default <repo>/.sage), BIN (default <repo>/.venv/bin), PREFECT_HOST/PREFECT_PORT
 # (127.0.0.1:4200), MLFLOW_HOST/MLFLOW_PORT (127.0.0.1:5000), MLFLOW_BACKEND_URI (default the flows' sqlite store),
-# SERVE_ARGS (extra args for `python -m flows.serve`), SERVICES_TIMEOUT (seconds to wait for health, default 300).
+# SERVE_ARGS (extra args for `python -m flows.serve`), WAIT_DEPLOYMENT (the deployment `up` waits for, default the
+# first one serve names), SERVICES_TIMEOUT (seconds to wait for health, default 300).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -62,7 +63,7 @@ start_bg() {  # start_bg NAME CMD...: own session (process group) so `down` stop
 }
 
 wait_http() {  # wait_http NAME URL
-  local name="$1" url="$2" t=0
+  local name="$1" url="$2" t0=$SECONDS t=0
   while (( t < TIMEOUT )); do
     if "$BIN/python" - "$url" <<'EOF' 2>/dev/null
 import sys, urllib.request
@@ -71,22 +72,24 @@ with urllib.request.urlopen(sys.argv[1], timeout=5) as r:
 EOF
     then say "$name healthy: $url (${t}s)"; return 0; fi
     if ! alive "$name"; then say "$name exited; last lines of $RUN/$name.log:"; tail -n 30 "$RUN/$name.log" >&2; return 1; fi
-    sleep 2; t=$((t + 2))
+    sleep 2; t=$((SECONDS - t0))  # seconds, not tries: a try takes time too
   done
   say "$name not healthy after ${TIMEOUT}s ($url); see $RUN/$name.log"; return 1
 }
 
-wait_deployment() {  # wait until the serve process has registered DEPLOYMENT
-  local dep="$1" t=0
+wait_deployment() {  # wait until the serve process has registered DEPLOYMENT (empty: the first one it serves)
+  local dep="$1" t0=$SECONDS t=0
   while (( t < TIMEOUT )); do
+    # `python -m flows.serve` first prints what it serves (SERVE_ARGS may leave hint-study out)
+    [[ -n "$dep" ]] || dep="$(sed -n 's/^serving: \([^,]*\).*/\1/p' "$RUN/serve.log" 2>/dev/null | head -n 1)"
     # this serve's own start line (serve.log is rewritten per start): a deployment left in the database by an
     # earlier serve is there already, and would pass for one served by a process that died on start
-    if grep -q "being served" "$RUN/serve.log" 2>/dev/null && alive serve \
+    if [[ -n "$dep" ]] && grep -q "being served" "$RUN/serve.log" 2>/dev/null && alive serve \
        && "$BIN/prefect" deployment inspect "$dep" >/dev/null 2>&1; then say "deployment $dep ready (${t}s)"; return 0; fi
     if ! alive serve; then say "serve exited; last lines of $RUN/serve.log:"; tail -n 30 "$RUN/serve.log" >&2; return 1; fi
-    sleep 2; t=$((t + 2))
+    sleep 2; t=$((SECONDS - t0))
   done
-  say "deployment $dep not registered after ${TIMEOUT}s; see $RUN/serve.log"; return 1
+  say "deployment ${dep:-of serve} not registered after ${TIMEOUT}s; see $RUN/serve.log"; return 1
 }
 
 stop() {  # stop NAME: TERM the process group, then KILL after 20 s
@@ -136,7 +139,7 @@ cmd_up() {
   wait_http mlflow "$SAGE_MLFLOW_UI_URL/health"
   # shellcheck disable=SC2086
   start_bg serve "$BIN/python" -m flows.serve ${SERVE_ARGS:-}
-  wait_deployment "${WAIT_DEPLOYMENT:-hint-study/tiny-cpu}"
+  wait_deployment "${WAIT_DEPLOYMENT:-}"
   say "Prefect UI  $PREFECT_API_URL (UI: http://$PREFECT_HOST:$PREFECT_PORT)"
   say "MLflow UI   $SAGE_MLFLOW_UI_URL   (store $MLFLOW_BACKEND_URI)"
   say "run:        PREFECT_API_URL=$PREFECT_API_URL $BIN/prefect deployment run sage-train/tiny-cpu --watch"
@@ -181,5 +184,5 @@ case "${1:-}" in
   mlflow-ui) cd "$ROOT" && exec env MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false "$BIN/mlflow" server \
       --backend-store-uri "$MLFLOW_BACKEND_URI" --artifacts-destination "$SAGE_HOME/mlartifacts" \
       --host "$MLFLOW_HOST" --port "$MLFLOW_PORT" --workers 1 ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  *) sed -n '2,18p' "$0"; exit 2 ;;
 esac
