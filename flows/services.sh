@@ -44,9 +44,22 @@ export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TOKENIZERS_PARALLELISM=false
 
 say() { printf '[sage services] %s\n' "$*"; }
 
-alive() {  # alive NAME: the pid in $RUN/NAME.pid runs
-  local f="$RUN/$1.pid"
-  [[ -f "$f" ]] && kill -0 "$(cat "$f")" 2>/dev/null
+started() {  # started PID: when the process began (a pid and its start time name one process: pids are reused)
+  ps -o lstart= -p "$1" 2>/dev/null || true
+}
+
+pid_of() {  # pid_of NAME: the pid in $RUN/NAME.pid, where the process `up` started there still runs (a pid file
+  # left by a reboot or a crash can name another program that has the pid now: that one is not ours to stop)
+  local f="$RUN/$1.pid" pid="" when=""
+  [[ -f "$f" ]] || return 1
+  { read -r pid || true; read -r when || true; } < "$f"
+  kill -0 "$pid" 2>/dev/null || return 1
+  if [[ -n "$when" && "$(started "$pid")" != "$when" ]]; then return 1; fi
+  echo "$pid"
+}
+
+alive() {  # alive NAME: the process in $RUN/NAME.pid runs
+  pid_of "$1" >/dev/null
 }
 
 port_busy() {  # port_busy HOST PORT
@@ -55,10 +68,10 @@ port_busy() {  # port_busy HOST PORT
 
 start_bg() {  # start_bg NAME CMD...: own session (process group) so `down` stops its children too
   local name="$1"; shift
-  if alive "$name"; then say "$name already running (pid $(cat "$RUN/$name.pid"))"; return 0; fi
+  if alive "$name"; then say "$name already running (pid $(pid_of "$name"))"; return 0; fi
   mkdir -p "$RUN"
   (cd "$ROOT" && exec setsid "$@" >"$RUN/$name.log" 2>&1 < /dev/null) &
-  echo $! > "$RUN/$name.pid"
+  printf '%s\n%s\n' "$!" "$(started "$!")" > "$RUN/$name.pid"
   say "$name started (pid $!, log $RUN/$name.log)"
 }
 
@@ -95,8 +108,7 @@ wait_deployment() {  # wait until the serve process has registered DEPLOYMENT (e
 stop() {  # stop NAME: TERM the process group, then KILL after 20 s
   local name="$1" f="$RUN/$1.pid" pid t=0
   [[ -f "$f" ]] || return 0
-  pid="$(cat "$f")"
-  if kill -0 "$pid" 2>/dev/null; then
+  if pid="$(pid_of "$name")"; then
     kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
     while kill -0 "$pid" 2>/dev/null && (( t < 20 )); do sleep 1; t=$((t + 1)); done
     if kill -0 "$pid" 2>/dev/null; then kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true; fi
@@ -155,7 +167,7 @@ cmd_down() {
 cmd_status() {
   local n
   for n in prefect mlflow serve; do
-    if alive "$n"; then say "$n running (pid $(cat "$RUN/$n.pid"))"; else say "$n not running"; fi
+    if alive "$n"; then say "$n running (pid $(pid_of "$n"))"; else say "$n not running"; fi
   done
 }
 

@@ -57,3 +57,30 @@ def test_services_timeout_counts_seconds(tmp_path):
         assert took < 10 + 8 + 2 + 5, took  # the timeout, one check, one pause, start-up; not 5 checks of 10 s
     finally:
         services(tmp_path, "down")
+
+
+def test_a_stale_pid_file_names_no_process_of_ours(tmp_path):
+    """A pid file left behind (a reboot, a crash) whose pid another program has now: `status` does not take that
+    program for the service, and `down` leaves it running."""
+    import signal
+
+    pidfile = tmp_path / "home" / "run" / "prefect.pid"
+    ours = other = None
+    try:
+        up = services(tmp_path, "up", WAIT_DEPLOYMENT="sage-train/tiny-cpu")
+        assert up.returncode == 0, up.stdout + up.stderr
+        time.sleep(1.1)  # a later second: what a process started after ours shows
+        other = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        lines = pidfile.read_text().splitlines()
+        ours = int(lines[0])
+        pidfile.write_text("\n".join([str(other.pid), *lines[1:]]) + "\n")  # the pid is another program's now
+        assert "prefect not running" in services(tmp_path, "status").stdout
+        services(tmp_path, "down")
+        assert other.poll() is None, "down stopped a process it did not start"
+    finally:
+        services(tmp_path, "down")
+        if ours is not None:
+            os.killpg(ours, signal.SIGKILL)
+        if other is not None:
+            other.kill()
+            other.wait()
