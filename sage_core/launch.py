@@ -243,10 +243,19 @@ def plan_layout(spec: RunSpec, n_gpus: int, *, vllm_mode: str | None = None, ser
 def visible_gpus() -> list[GpuId]:
     """The visible CUDA GPUs as CUDA_VISIBLE_DEVICES names them (indices, or GPU UUIDs as some container runtimes
     set), else torch's device indices, else nvidia-smi's. The launcher hands subsets of these back through
-    CUDA_VISIBLE_DEVICES, so they are kept as given."""
+    CUDA_VISIBLE_DEVICES, so they are kept as given. As CUDA reads that variable, an entry that is neither an index
+    nor a UUID (GPU-..., MIG-...) ends the list: `-1` hides every GPU, `0,2,-1,1` shows 0 and 2."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
-        return [int(x) if x.strip().isdigit() else x.strip() for x in env.split(",") if x.strip()]
+        ids: list[GpuId] = []
+        for x in (x.strip() for x in env.split(",")):
+            if x.isdigit():
+                ids.append(int(x))
+            elif x.startswith(("GPU-", "MIG-")):
+                ids.append(x)
+            elif x:  # CUDA sees no GPU from here on
+                break
+        return ids
     try:
         import torch
 

@@ -454,6 +454,19 @@ def test_visible_gpus_keeps_cuda_visible_devices_entries(monkeypatch, tmp_path):
     assert L.visible_gpus() == []
 
 
+def test_visible_gpus_stop_where_cuda_stops_reading(monkeypatch, tmp_path):
+    """CUDA_VISIBLE_DEVICES=-1 (a common way to hide the GPUs) is no GPU named '-1', and CUDA ignores every entry
+    after an invalid one: a launch must not plan ranks on GPUs the processes cannot see."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert L.visible_gpus() == []
+    with pytest.raises(ValueError, match="no CUDA GPU visible"):
+        L.plan(preset("tiny-cpu"), tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2,-1,1")
+    assert L.visible_gpus() == [0, 2]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-aaa,GPU-bbb,nope,3")
+    assert L.visible_gpus() == ["MIG-aaa", "GPU-bbb"]
+
+
 # ----------------------------------------------------------------------------------- $SAGE_TRAIN_VENV
 def _fake_bin(folder: Path, *names: str, mode: int = 0o755) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
