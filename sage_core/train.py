@@ -609,7 +609,7 @@ def _train(spec: RunSpec, output_dir: str | Path, callbacks, resume: bool) -> Tr
         trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     else:  # nothing left to train: HF's Trainer would train one step more past the checkpoint and save over final/
         log.warning("%s: %s is done (max_steps %d%s): nothing to train; %s", output_dir, ckpt.name,
-                    trainer.args.max_steps, f", rollout_budget {spec.rollout_budget}" if spec.rollout_budget else "",
+                    spec.max_steps, f", rollout_budget {spec.rollout_budget}" if spec.rollout_budget else "",
                     "final/ is its model" if keep else "final/ is written from it")
         trainer.state = state
         if not keep:

@@ -1030,6 +1030,17 @@ def test_wall_seconds_cover_every_session_of_a_run(tiny_model_dir, tmp_path):
         pytest.approx(resumed.wall_seconds)
 
 
+def test_a_done_run_says_its_max_steps_in_rollout_batches(tiny_model_dir, tmp_path, caplog):
+    """max_steps counts rollout batches; with updates_per_generation=2 the trainer runs twice as many optimizer
+    steps. A done run entered again said "max_steps 2" for a spec of max_steps=1."""
+    spec = small("grpo", num_prompts=4, max_steps=1, micro_batch_size=16, updates_per_generation=2)
+    assert train(spec, tmp_path).global_step == 2
+    with caplog.at_level("WARNING", logger="sage_core.train"):
+        assert train(spec, tmp_path).global_step == 2  # done: nothing to train
+    said = [r.getMessage() for r in caplog.records if "nothing to train" in r.getMessage()]
+    assert len(said) == 1 and "(max_steps 1)" in said[0], said
+
+
 def test_eval_every_scores_the_policy_of_the_step_without_hints_and_leaves_training_as_it_was(tiny_model_dir,
                                                                                                tmp_path, monkeypatch):
     """eval_every=2 over 3 steps: no-hint avg@k and pass@k of the held-out set at steps 2 and 3 (the last), in that
