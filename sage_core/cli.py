@@ -50,13 +50,13 @@ def parse_sets(pairs: list[str] | None) -> dict[str, Any]:
     for pair in pairs or []:
         if "=" not in pair:
             raise SpecError(f"--set expects key=value, got {pair!r}")
-        key, value = pair.split("=", 1)
-        key = key.strip().replace("-", "_")
+        key, value = (x.strip() for x in pair.split("=", 1))  # `lookahead= false` (a shell line's space) as `=false`
+        key = key.replace("-", "_")
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise SpecError(f"unknown RunSpec field {key!r} in --set {pair!r}{hint}")
-        out[key] = None if value.strip().lower() in ("none", "null") and _takes_none(fields[key]) else value
+        out[key] = None if value.lower() in ("none", "null") and _takes_none(fields[key]) else value
     return out
 
 

@@ -70,6 +70,16 @@ def test_set_none_is_a_value_where_the_field_takes_no_none(capsys, tmp_path):
     assert rc == 2 and "max_steps" in err
 
 
+def test_set_values_are_read_without_the_spaces_around_them(capsys):
+    """The key was stripped and the value not: `lookahead= false` was refused and `teacher_model= m ` kept its
+    spaces (a model name the endpoint would not know)."""
+    rc, out, err = run_cli(capsys, "spec", "--set", "lookahead= false", "--set", " teacher_model = m ",
+                           "--set", "max_steps =3")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["lookahead"] is False and d["teacher_model"] == "m" and d["max_steps"] == 3
+
+
 def test_spec_defaults_to_tiny_cpu(capsys):
     rc, out, _ = run_cli(capsys, "spec")
     assert rc == 0 and json.loads(out)["max_steps"] == PRESETS["tiny-cpu"]["max_steps"]
