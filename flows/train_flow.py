@@ -86,6 +86,7 @@ def _run_training_locked(spec, out, *, experiment, label, benchmarks, evaluate_b
     if not force and out != run_dir(experiment, label, spec):
         logger.warning("%s holds a run resumed there by hand with another spec (its spec.json); training spec %s in "
                        "a new folder, %s", run_dir(experiment, label, spec), key, out)
+    benches = resolve_benchmarks(spec, benchmarks)  # a missing file or a bad name: refused before a run is made
     tags = {"sage.variant": variant or label, "sage.preset": preset, "sage.output_dir": str(out)}
     run_id, resumed = tracking.resume_or_create_run(spec, "train", out, experiment, run_name=label,
                                                     parent_run_id=parent_run_id, tags=tags)
@@ -94,7 +95,6 @@ def _run_training_locked(spec, out, *, experiment, label, benchmarks, evaluate_b
                 tracking.run_url(run_id, exp_id))
     _link(run_id, exp_id, "training")
     try:
-        benches = resolve_benchmarks(spec, benchmarks)
         todo = missing_evals(tracking.load_eval(run_id), "before", benches, spec)
         if evaluate_before and todo:  # an attempt before this one may have evaluated other benchmarks, or another k
             before = run_eval(spec.model, todo, spec, label=f"{label}-before", cache=True,

@@ -349,6 +349,21 @@ def test_experiments_of_one_slug_do_not_share_a_run(stubbed_train):
     assert tracking.client().get_run(a["run_id"]).data.tags.get("sage.resumed") is None  # left as it finished
 
 
+def test_a_benchmark_file_that_is_not_there_is_refused_before_a_run_is_made(stubbed_train, tmp_path, monkeypatch):
+    """sage-train with a benchmark path that does not exist made an MLflow run and failed it (a FAILED run in the
+    experiment for a typo); it is refused first, and the experiment holds no run."""
+    import flows.train_flow as tf
+
+    monkeypatch.setattr(tf, "resolve_benchmarks", common.resolve_benchmarks)  # the real one: files are read
+
+    kw = dict(label="grpo", evaluate_before=True, evaluate_after=True, force=False, launcher="local",
+              parent_run_id=None, variant=None, preset=None)
+    with pytest.raises(FileNotFoundError, match=r"benchmark 'mine': .*nope.jsonl does not exist"):
+        tf.run_training(RunSpec(method="grpo", max_steps=1, eval_k=2), experiment="typo",
+                        benchmarks={"mine": str(tmp_path / "nope.jsonl")}, **kw)
+    assert tracking.find_runs("typo") == []
+
+
 def test_folder_for_reads_spec_json_as_sage_core_does(tmp_path, monkeypatch):
     """folder_for reads the folder's spec.json with sage_core.spec.recorded_spec, as sage train's folder check
     does: a spec.json recording only some fields (the rest at their defaults) is the spec it describes; one this
