@@ -561,6 +561,12 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
         except ImportError as e:
             raise ImportError("loading a GGUF model needs the `gguf` package: pip install gguf") from e
         kwargs["gguf_file"] = gguf_file
+        try:  # where transformers has a GGUF kernel it keeps the weights packed; a policy trains plain weights
+            from transformers import GgufConfig
+
+            kwargs["quantization_config"] = GgufConfig(dequantize=True)
+        except ImportError:
+            pass
         tok_kwargs = {"gguf_file": gguf_file}
     else:
         tok_kwargs = {}
@@ -597,6 +603,10 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelNotFound(f"model {name!r} not found: there is no local folder {local.resolve()}, and as a Hugging "
                             f"Face id it does not load ({why})") from e
+    if gguf_file is not None and getattr(model, "hf_quantizer", None) is not None:
+        # the weights are plain dequantized tensors, but transformers still flags the model as quantized: the Trainer
+        # then refuses to train it ("purely quantized models"), save_pretrained to save it, .float() to cast it
+        model.hf_quantizer.remove_quantization_config(model)
     tokenizer = _finish_tokenizer(tokenizer)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id

