@@ -77,14 +77,26 @@ def merge_adapter(spec: RunSpec, adapter_dir: str | Path, out_dir: str | Path) -
 
 
 def record_base(model, spec: RunSpec) -> None:
-    """A LoRA run whose `model` is itself a LoRA run's adapter folder (checkpoint-N/, adapter/): load_policy gave the
-    trainer that folder's base with its adapters merged, so peft would record the bare base (the merged model's
-    name_or_path) in this run's adapter_config.json, and its checkpoint-N/ and adapter/ would load (load_policy,
-    sage eval) without the first run's adapters. Record the adapter folder instead: load_policy merges both."""
-    if spec.lora_r is None or adapter_base(spec.model) is None:
+    """Name in this run's adapter_config.json a base that load_policy loads, where peft's default (the policy's
+    name_or_path) would not:
+    - `model` a LoRA run's adapter folder (checkpoint-N/, adapter/): load_policy gave the trainer that folder's base
+      with its adapters merged, so peft would record the bare base, and this run's checkpoint-N/ and adapter/ would
+      load (load_policy, sage eval) without the first run's adapters. Record the adapter folder: load_policy merges
+      both.
+    - a GGUF model ('smollm2', a .gguf path, a folder with gguf_file): its name_or_path is the folder holding the
+      file, which has no config.json. Record 'smollm2' or the .gguf file's path."""
+    if spec.lora_r is None:
+        return
+    if spec.model == "smollm2":
+        base = spec.model
+    elif spec.gguf_file is not None:
+        base = str(Path(spec.model).expanduser().resolve() / spec.gguf_file)
+    elif spec.model.lower().endswith(".gguf") or adapter_base(spec.model) is not None:
+        base = str(Path(spec.model).expanduser().resolve())
+    else:
         return
     for cfg in (getattr(model, "peft_config", None) or {}).values():
-        cfg.base_model_name_or_path = str(Path(spec.model).expanduser().resolve())
+        cfg.base_model_name_or_path = base
 
 
 def adapter_base(path: str | Path) -> str | None:

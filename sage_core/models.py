@@ -452,9 +452,12 @@ def _is_generic_fast_tokenizer(path: str) -> bool:
 
 
 def load_tokenizer(path: str | Path):
-    """The tokenizer of a local model dir, loaded the safe way (see `_is_generic_fast_tokenizer`)."""
+    """The tokenizer of a local model dir, loaded the safe way (see `_is_generic_fast_tokenizer`), or of a .gguf file
+    (the base of a LoRA run on a GGUF model)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    if str(path).lower().endswith(".gguf"):
+        return _finish_tokenizer(AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name))
     if _is_generic_fast_tokenizer(str(path)):
         return _finish_tokenizer(PreTrainedTokenizerFast.from_pretrained(path))
     return _finish_tokenizer(AutoTokenizer.from_pretrained(path))

@@ -781,6 +781,46 @@ def test_an_adapter_folder_without_its_base_is_named(tmp_path):
         adapter_base(tmp_path / "a")
 
 
+def test_a_lora_run_on_a_gguf_model_records_a_base_that_loads(tmp_path):
+    """A GGUF policy's name_or_path is the folder holding the .gguf (no config.json): peft recorded it as the base
+    of a LoRA run's checkpoint-N/ and adapter/, which load_policy, sage eval and the eval flow then refused ("has no
+    config.json"). The base recorded is 'smollm2' or the .gguf file's path, which load_policy loads."""
+    from types import SimpleNamespace
+
+    from sage_core.lora import record_base
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    for model, gguf_file, want in (("smollm2", None, "smollm2"), (str(tmp_path / "m.gguf"), None,
+                                                                   str(tmp_path / "m.gguf")),
+                                   (str(tmp_path), "m.gguf", str(tmp_path / "m.gguf"))):
+        cfg = SimpleNamespace(base_model_name_or_path=str(tmp_path))  # what peft takes from the policy
+        record_base(SimpleNamespace(peft_config={"default": cfg}),
+                    small("grpo", model=model, gguf_file=gguf_file, lora_r=2))
+        assert cfg.base_model_name_or_path == want, model
+
+
+@pytest.mark.slow
+def test_adapters_of_a_lora_run_on_smollm2_load(tmp_path):
+    pytest.importorskip("gguf")
+    from sage_core.lora import record_base
+    from sage_core.models import load_policy, smollm2_gguf
+
+    try:
+        smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    spec = small("grpo", model="smollm2", lora_r=2, lora_alpha=4, lora_target_modules="q_proj")
+    from peft import get_peft_model
+
+    from sage_core.lora import peft_config
+
+    model = get_peft_model(load_policy("smollm2", dtype=torch.float32)[0], peft_config(spec))
+    record_base(model, spec)
+    model.save_pretrained(tmp_path / "adapter")
+    merged, tok = load_policy(str(tmp_path / "adapter"))
+    assert tok.chat_template and merged.config.model_type == "llama"
+
+
 def test_a_checkpoint_keeps_the_replayed_state_and_a_resume_from_it_trains_what_a_replay_does(tiny_model_dir,
                                                                                               tmp_path):
     """A resume replayed every tracker file into the scheduler and the tracker (about a minute at 3000 steps). A
