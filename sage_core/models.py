@@ -548,6 +548,10 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
         kwargs["dtype"] = dtype
     if name == "tiny":
         path = tiny_model_path()
+        try:  # a damaged cache (weights deleted or truncated after the build): name it, and how to rebuild it
+            check_local_model(path)
+        except BadModelFile as e:
+            raise BadModelFile(f"the tiny model's cache is damaged: {e}; delete {path} to have it rebuilt") from e
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path)  # never AutoTokenizer: it rebuilds as Qwen2
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         return model, _finish_tokenizer(tokenizer)

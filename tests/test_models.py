@@ -118,6 +118,24 @@ def test_failed_build_leaves_no_partial_dir(monkeypatch, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]
 
 
+def test_a_damaged_tiny_model_cache_is_a_clear_error(monkeypatch, tmp_path, tiny_model_dir):
+    """A cached tiny model whose weights file was truncated or deleted after the build loaded with safetensors'
+    traceback ("invalid header length"), naming no file; it is a BadModelFile (one line in the CLI) saying what to
+    delete."""
+    import shutil
+
+    monkeypatch.setenv("SAGE_MODEL_CACHE", str(tmp_path))
+    cached = tmp_path / tiny_model_dir.name
+    shutil.copytree(tiny_model_dir, cached)
+    with open(cached / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(models.BadModelFile, match=rf"cache is damaged: .*model.safetensors.*delete {cached}"):
+        models.load_policy("tiny")
+    (cached / "model.safetensors").unlink()
+    with pytest.raises(models.BadModelFile, match=rf"cache is damaged: .*has no weights.*delete {cached}"):
+        models.load_policy("tiny")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the warm-started tiny model
 # ------------------------------------------------------------------------------------------------------------
