@@ -780,10 +780,12 @@ class MlflowTrackingCallback(TrainerCallback):
         caller's to end. Only the process that opened it (the main one) ends it. Either way the run's last step
         (`sage.last_step`) is the one this attempt reached: steps past it in the run are an earlier attempt's, of a
         trajectory this one, resumed from an earlier checkpoint, left (not this run's model, nor trained again)."""
-        if self.step is not None and self.run_id is not None:  # the main process, once training began
-            client().set_tag(self.run_id, LAST_STEP_TAG, str(self.step))
-        if self.owns_run and self.run_id is not None:
-            finish_run(self.run_id, status=end_status(error))
+        try:
+            if self.step is not None and self.run_id is not None:  # the main process, once training began
+                client().set_tag(self.run_id, LAST_STEP_TAG, str(self.step))
+        finally:  # a store that refuses the tag still has the run ended
+            if self.owns_run and self.run_id is not None:
+                finish_run(self.run_id, status=end_status(error))
 
 
 def make_callback(spec: RunSpec | None = None, experiment: str | None = None, run_id: str | None = None,
