@@ -593,3 +593,21 @@ def test_a_run_the_callback_opened_is_ended_when_training_stops_or_fails(store, 
     given = tracking.open_run(RunSpec(), "train", experiment="t-end")
     tracking.MlflowTrackingCallback(run_id=given, output_dir=tmp_path / "given").end_run(error)
     assert tracking.client().get_run(given).info.status == "RUNNING"
+    # a store that refuses the last-step tag: the run is still ended (and the store's error raised)
+    from mlflow.exceptions import MlflowException
+
+    cb = tracking.make_callback(RunSpec(max_steps=1, seed=12), experiment="t-end")
+    cb.on_train_begin(SimpleNamespace(output_dir=str(tmp_path / "own2")), _state(0), TrainerControl())
+    from mlflow import MlflowClient
+
+    real = MlflowClient.set_tag
+
+    def refuse(self, run_id, key, value, *a, **kw):
+        if key == tracking.LAST_STEP_TAG:
+            raise MlflowException("the store is down")
+        return real(self, run_id, key, value, *a, **kw)
+
+    monkeypatch.setattr(MlflowClient, "set_tag", refuse)
+    with pytest.raises(MlflowException):
+        cb.end_run(error)
+    assert tracking.client().get_run(cb.run_id).info.status == status
