@@ -356,8 +356,27 @@ def _load_from_disk(path: Path, source: str, split: str):
 
 
 def _records_of(ds: Any) -> list[dict[str, Any]]:
-    """The rows of a `datasets.Dataset` as dicts, float32/float16 values as in _shortest_floats."""
-    return _shortest_floats(ds.with_format("arrow")[:]).to_pylist()
+    """The rows of a `datasets.Dataset` as dicts, float32/float16 values as in _shortest_floats. A column of JSON
+    whose rows mix types (answers 72 and "\\frac{1}{2}") is a Json feature, stored as JSON text: its values are
+    decoded, as `datasets`' Python format decodes them (Arrow gives the text, '"\\\\frac{1}{2}"')."""
+    from datasets.features.features import decode_nested_example
+
+    rows = _shortest_floats(ds.with_format("arrow")[:]).to_pylist()
+    for column in [c for c, feature in ds.features.items() if _has_json(feature)]:
+        for r in rows:
+            r[column] = decode_nested_example(ds.features[column], r[column])
+    return rows
+
+
+def _has_json(feature: Any) -> bool:
+    """Whether a `datasets` feature is, or holds (in a struct or a list), a Json feature."""
+    if isinstance(feature, Mapping):
+        return any(_has_json(f) for f in feature.values())
+    if isinstance(feature, (list, tuple)):
+        return bool(feature) and _has_json(feature[0])
+    if hasattr(feature, "feature"):  # List, LargeList
+        return _has_json(feature.feature)
+    return type(feature).__name__ == "Json"
 
 
 def _shortest_floats(table: Any) -> Any:

@@ -419,6 +419,33 @@ def test_a_folder_written_by_save_to_disk_loads_a_dataset_or_a_split_of_a_datase
 
 
 @pytest.mark.filterwarnings("ignore:.*answer-free")
+def test_a_json_column_of_mixed_types_in_a_dataset_folder_is_read_as_its_values(tmp_path):
+    """`datasets` keeps a JSON column whose rows mix types (AIME-like answers: 204, then '\\frac{1}{2}'; ids 0 and
+    'x'), in a struct too, as a Json feature stored as JSON text: the gold answer is '\\frac{1}{2}', not the text
+    '"\\\\frac{1}{2}"' that no reply scores, whether the folder is JSON lines or written by save_to_disk."""
+    import datasets
+
+    if not hasattr(datasets, "Json"):
+        pytest.skip("this datasets refuses a column of mixed types")
+    from sage_core.reward import score
+
+    records = [{"problem": "p0", "answer": 204, "id": 0, "reward_model": {"ground_truth": 204}},
+               {"problem": "p1", "answer": "\\frac{1}{2}", "id": "x", "reward_model": {"ground_truth": "\\frac{1}{2}"}}]
+    folder = tmp_path / "jsonl"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    saved = tmp_path / "saved"
+    datasets.load_dataset(str(folder), split="train").save_to_disk(str(saved))
+    for source in (folder, saved):
+        rows = load_rows(str(source))
+        assert rows["answer"] == ["204", "\\frac{1}{2}"], source
+        assert rows["prompt_id"] == ["0", "x"], source
+        assert score("So \\boxed{\\frac{1}{2}}", rows["answer"][1]) == 1.0
+        records_ = data.read_records(str(source), "train")[0]
+        assert [r["reward_model"]["ground_truth"] for r in records_] == [204, "\\frac{1}{2}"], source
+
+
+@pytest.mark.filterwarnings("ignore:.*answer-free")
 def test_eval_rows_of_a_folder_with_only_a_train_split_are_its_rows_after_the_training_rows(tmp_path):
     """A local data set with only 'train' (Parquet files, or a saved DatasetDict) is held out as the same rows in
     one .parquet file are: the rows after the first num_prompts; none left is an error that counts the rows."""
