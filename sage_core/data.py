@@ -271,7 +271,7 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
             except pa.ArrowException as e:
                 raise DataError(f"{path.resolve()}: not a readable Parquet file ({e})") from e
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")  # a byte order mark (Windows' editors write one) is dropped
         except UnicodeDecodeError as e:
             raise DataError(f"{path.resolve()}: not UTF-8 text ({e})") from e
         except OSError as e:  # a folder named *.jsonl, no permission
@@ -434,6 +434,10 @@ def _json_lines(text: str, path: Path | str) -> list[dict[str, Any]]:
 
 
 def _get_nested(record: Mapping[str, Any], dotted: str) -> Any:
+    """record["a"]["b"] for "a.b", or a column named "a.b" itself: verl's nested columns flattened (datasets'
+    Dataset.flatten, pandas' json_normalize)."""
+    if dotted in record:
+        return record[dotted]
     cur: Any = record
     for part in dotted.split("."):
         if not isinstance(cur, Mapping) or part not in cur:
@@ -487,7 +491,8 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
     answer_cols = (*ANSWER_ALIASES, "reward_model.ground_truth")
     boxed_in_solution = False  # MATH's layout: no answer column, the answer is the solution's last \boxed{}
     if not any(c in columns for c in ANSWER_ALIASES) and _get_nested(records[0], "reward_model.ground_truth") is None:
-        if "solution" not in columns or extract_boxed(str(records[0].get("solution") or "")) is None:
+        # any row's box: a first row without one is that row's error (named below), not a file without answers
+        if not any(extract_boxed(str(r.get("solution") or "")) is not None for r in records):
             raise DataError(f"{source}: missing column 'answer' (or {', '.join(ANSWER_ALIASES[1:])}, or a 'solution' "
                              f"that ends in \\boxed{{answer}}); columns found: {columns}")
         boxed_in_solution = True
@@ -573,7 +578,7 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
                f"answer-free from the problem only")
         logger.warning(msg)
         warnings.warn(msg, stacklevel=3)
-    check_unique(rows, source)
+    check_unique(rows, source, first_row)
     return rows
 
 
@@ -587,16 +592,20 @@ def _lone_surrogate(text: str) -> str | None:
     return None
 
 
-def check_unique(rows: Sequence[Mapping[str, Any]], source: str) -> None:
-    """A DataError naming the prompt ids that more than one row of `rows` (in the row schema) has: training groups
-    rollouts, and evaluation keys results, by prompt id."""
-    seen: dict[str, int] = {}
-    for r in rows:
-        seen[r["prompt_id"]] = seen.get(r["prompt_id"], 0) + 1
-    dups = [k for k, c in seen.items() if c > 1]
+def check_unique(rows: Sequence[Mapping[str, Any]], source: str, first_row: int = 0) -> None:
+    """A DataError naming the prompt ids that more than one row of `rows` (in the row schema) has, and the rows
+    (counted from `first_row`) that share the first: training groups rollouts, and evaluation keys results, by
+    prompt id. An id made from the problem (h-..., a row without one) is in no file: the rows are how to find it."""
+    seen: dict[str, list[int]] = {}
+    for i, r in enumerate(rows, first_row):
+        seen.setdefault(r["prompt_id"], []).append(i)
+    dups = [k for k, at in seen.items() if len(at) > 1]
     if dups:
-        raise DataError(f"{source}: {len(dups)} prompt ids are given to more than one row, e.g. {dups[:5]}; groups "
-                        "and results are keyed by prompt id: give each row a unique 'prompt_id'/'id'/'index'")
+        at = seen[dups[0]]
+        raise DataError(f"{source}: {len(dups)} prompt ids are given to more than one row, e.g. {dups[:5]} (rows "
+                        f"{', '.join(map(str, at[:-1]))} and {at[-1]} share {dups[0]!r}; a row without an id has one "
+                        "made from its problem, the same for the same problem); groups and results are keyed by "
+                        "prompt id: give each row a unique 'prompt_id'/'id'/'index'")
 
 
 ROW_COLUMNS = ("prompt", "problem", "solution", "answer", "prompt_id", "difficulty")

@@ -187,6 +187,18 @@ def test_load_json_list_with_limit_and_string_prompts(tmp_path):
     assert ds["prompt_id"] == ["a0", "a1", "a2"] and ds["difficulty"] == [2, 2, 2]
 
 
+@pytest.mark.filterwarnings("ignore:.*answer-free")
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "rows.txt"])
+def test_a_utf8_file_that_starts_with_a_byte_order_mark_is_read(tmp_path, name):
+    """UTF-8 with a byte order mark (Notepad, PowerShell 5's Out-File, Excel's "UTF-8" export) is UTF-8 text: its
+    rows are read, not a 'line 1 is not valid JSON (Unexpected UTF-8 BOM)'."""
+    records = [{"question": "What is 2 + 2?", "answer": "4"}, {"question": "What is 3 + 3?", "answer": "6"}]
+    text = json.dumps(records) if name.endswith(".json") else "\n".join(json.dumps(r) for r in records)
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8-sig")
+    assert load_rows(str(path))["answer"] == ["4", "6"]
+
+
 def test_a_json_file_of_json_lines_is_read_as_json_lines(tmp_path):
     """datasets' Dataset.to_json writes JSON lines into a .json file by default; a bad line is then named."""
     import datasets
@@ -207,6 +219,21 @@ def test_duplicate_ids_are_rejected(tmp_path):
     with pytest.raises(ValueError, match=r"dup.jsonl: 2 prompt ids are given to more than one row, e.g. "
                                          r"\['0', '1'\]"):
         load_rows(str(path))
+
+
+@pytest.mark.filterwarnings("ignore:.*answer-free")
+def test_rows_that_repeat_a_problem_without_ids_are_named_by_row(tmp_path):
+    """A row without an id has one made from its problem ('h-...', in no file): rows repeating a problem (as scraped
+    sets do) share it, and the error names those rows, so that they can be found; held-out rows by their row."""
+    path = tmp_path / "rep.jsonl"
+    path.write_text("\n".join(json.dumps({"problem": p, "answer": "1"}) for p in ("a", "b", "c", "b", "b")))
+    with pytest.raises(data.DataError, match=r"rep.jsonl: 1 prompt ids are given to more than one row, e.g. "
+                                             r"\['h-[0-9a-f]{12}'\] \(rows 1, 3 and 4 share 'h-[0-9a-f]{12}'; a row "
+                                             r"without an id has one made from its problem"):
+        load_rows(str(path))
+    spec = RunSpec(data=str(path), num_prompts=2, prompts_per_step=2, eval_num_prompts=3)
+    with pytest.raises(data.DataError, match=r"\(rows 3 and 4 share"):
+        eval_rows(spec)
 
 
 @pytest.mark.parametrize("columns,missing", [({"problem": "p", "solution": "s"}, "answer"),
@@ -543,6 +570,18 @@ def test_math_rows_take_the_answer_from_the_solutions_last_box(tmp_path):
         load_rows(str(path))
 
 
+def test_a_math_row_without_a_box_is_named_by_row_also_when_it_is_the_first(tmp_path):
+    """MATH's layout (no answer column) is told by the solutions' boxes: a first solution without one is an error
+    naming that row, as a later one is, not 'missing column answer' for a file whose other rows have theirs."""
+    boxed, unboxed = {"problem": "p1", "solution": "\\boxed{3}"}, {"problem": "p0", "solution": "The answer is 5."}
+    path = tmp_path / "math.jsonl"
+    for bad, rows in enumerate(([unboxed, boxed], [boxed, unboxed])):
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+        with pytest.raises(data.DataError, match=rf"math.jsonl: row {bad} has no 'answer' column and its 'solution' "
+                                                 r"has no \\boxed\{\} answer: 'The answer is 5.'"):
+            load_rows(str(path))
+
+
 def test_a_dataset_of_several_configs_is_named_with_its_config(tmp_path):
     """openai/gsm8k has configs 'main' and 'socratic': NAME:CONFIG picks one (here a local folder laid out the same
     way, offline); without it, the error says how to name one."""
@@ -570,6 +609,23 @@ def test_verl_rows_keep_answer_solution_and_index_under_their_nested_columns(tmp
                                 "reward_model": {"ground_truth": "4", "solution": "2 + 2 = 4, so \\boxed{4}."}}))
     (row,) = load_rows(str(path))
     assert (row["answer"], row["solution"], row["prompt_id"]) == ("4", "2 + 2 = 4, so \\boxed{4}.", "3")
+
+
+def test_verl_columns_flattened_to_dotted_names_are_read_as_the_nested_ones(tmp_path):
+    """verl's layout flattened (datasets' Dataset.flatten, pandas' json_normalize): columns named
+    'reward_model.ground_truth', 'reward_model.solution' and 'extra_info.index' are the nested columns."""
+    import datasets
+
+    nested = [{"prompt": [{"role": "user", "content": f"What is {i} + 2?"}], "extra_info": {"index": i},
+               "reward_model": {"ground_truth": str(i + 2), "solution": f"{i} + 2 = \\boxed{{{i + 2}}}"}}
+              for i in range(2)]
+    path = tmp_path / "flat.parquet"
+    datasets.Dataset.from_list(nested).flatten().to_parquet(str(path))
+    assert "reward_model.ground_truth" in data.read_records(str(path), "train")[0][0]
+    rows = load_rows(str(path))
+    assert rows["answer"] == ["2", "3"]
+    assert rows["prompt_id"] == ["0", "1"]
+    assert rows["solution"] == ["0 + 2 = \\boxed{2}", "1 + 2 = \\boxed{3}"]
 
 
 def test_a_benchmark_data_set_is_read_from_its_test_split(tmp_path):
