@@ -144,14 +144,17 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                  eval_rows: list[dict] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         a = self.args
+        # normalize_then_sum divides each group by its std whatever scale_rewards says (then the batch by a constant)
+        scaling = "group" if a.multi_objective_aggregation == "normalize_then_sum" else a.scale_rewards
         self.scheduler = scheduler or make_scheduler(a.sage_method, light_min=a.light_min, light_max=a.light_max,
-                                                     max_rounds=a.sage_max_rounds, scale_rewards=a.scale_rewards)
-        weighted_for = getattr(self.scheduler, "scale_rewards", a.scale_rewards)
+                                                     max_rounds=a.sage_max_rounds, scale_rewards=scaling)
+        weighted_for = getattr(self.scheduler, "scale_rewards", scaling)
         if getattr(self.scheduler, "objective", "none") != "none" and (weighted_for == "group") != (
-                a.scale_rewards == "group"):  # its weights (h S_ref / S_sel) are made for the other advantages
+                scaling == "group"):  # its weights (h S_ref / S_sel) are made for the other advantages
             raise ValueError(f"the scheduler weights groups for scale_rewards={weighted_for!r} but the trainer scales "
-                             f"advantages with scale_rewards={a.scale_rewards!r}: build it with make_scheduler(..., "
-                             f"scale_rewards={a.scale_rewards!r})")
+                             f"advantages with scale_rewards={a.scale_rewards!r}"
+                             f"{' (per group: normalize_then_sum)' if scaling != a.scale_rewards else ''}: build it "
+                             f"with make_scheduler(..., scale_rewards={scaling!r})")
         self.hint_source = hint_source or OnlineHints()
         self.tracker = PromptTracker(a.tracker_dir, write=self.accelerator.is_main_process)
         if a.sage_bucket_overhead is None:

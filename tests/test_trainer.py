@@ -1327,3 +1327,33 @@ def test_a_scheduler_weighted_for_other_advantages_is_refused(tiny_model_dir, tm
         SageGRPOTrainer(**kw, scheduler=make_scheduler("ada-seq"))  # weighted (log) for 'group'
     trainer = SageGRPOTrainer(**kw, scheduler=make_scheduler("ada-seq", scale_rewards="none"))
     assert trainer.scheduler.scale_rewards == "none"
+
+
+def test_normalize_then_sum_scales_groups_by_their_std_whatever_scale_rewards_says(tiny_model_dir, tmp_path):
+    """TRL's multi_objective_aggregation='normalize_then_sum' divides each group by its own std (then the batch by
+    one constant) even with scale_rewards='none': a weighted scheduler must be the 'group' one. The 'none' one was
+    accepted, and gave a 1-of-8 group 1.5x the push of a 4-of-8 one where the log objective asks for equal."""
+    from trl.trainer.utils import nanstd
+
+    from sage_core.curation import signal
+    from sage_core.reward import boxed_reward
+    from sage_core.schedulers import make_scheduler
+    from sage_core.train import _trainer_inputs
+    from sage_core.trainer import SageGRPOTrainer
+
+    groups = torch.tensor([[1.0] + [0.0] * 7, [1.0] * 4 + [0.0] * 4])  # TRL's normalize_then_sum, one reward func
+    r = ((groups - groups.mean(1, keepdim=True)) / (nanstd(groups.unsqueeze(2), dim=1).view(-1, 1) + 1e-4)).view(-1)
+    adv = ((r - r.mean()) / (nanstd(r) + 1e-4)).view(2, 8)
+    for sr, equal in (("group", True), ("none", False)):
+        w = [make_scheduler("ada-seq", scale_rewards=sr)._weight(0, 8, g.tolist(), 0, 8) for g in groups]
+        push = [wi * float((a * (g > 0)).sum()) for wi, a, g in zip(w, adv, groups, strict=True)]
+        assert (push[0] == pytest.approx(push[1], rel=1e-3)) == equal, (sr, push)
+        assert signal(groups[0].tolist(), sr) > 0
+
+    args, dataset, model, tokenizer = _trainer_inputs(small("ada-seq"), tmp_path)
+    args.scale_rewards, args.multi_objective_aggregation = "none", "normalize_then_sum"
+    kw = dict(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset, processing_class=tokenizer)
+    with pytest.raises(ValueError, match="normalize_then_sum"):
+        SageGRPOTrainer(**kw, scheduler=make_scheduler("ada-seq", scale_rewards="none"))
+    assert SageGRPOTrainer(**kw, scheduler=make_scheduler("ada-seq")).scheduler.scale_rewards == "group"
+    assert SageGRPOTrainer(**kw).scheduler.scale_rewards == "group"  # the trainer's own scheduler: built to match
