@@ -323,7 +323,7 @@ def build_trainer(spec: RunSpec, output_dir: str | Path, callbacks=(), check_tea
     args, dataset, model, tokenizer = _trainer_inputs(spec, output_dir)
     scheduler = make_scheduler(spec.method, light_min=spec.light_min, light_max=spec.light_max,
                                max_rounds=spec.max_rounds, weighting=spec.weighting,
-                               num_generations=spec.num_generations)
+                               num_generations=spec.num_generations, seed=spec.seed)  # a study's seeds pick apart
     callbacks = [*callbacks, SaveSteps(), *([RolloutBudget(spec.rollout_budget)] if spec.rollout_budget else [])]
     trainer = SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=list(callbacks), scheduler=scheduler,

@@ -1357,3 +1357,16 @@ def test_normalize_then_sum_scales_groups_by_their_std_whatever_scale_rewards_sa
         SageGRPOTrainer(**kw, scheduler=make_scheduler("ada-seq", scale_rewards="none"))
     assert SageGRPOTrainer(**kw, scheduler=make_scheduler("ada-seq")).scheduler.scale_rewards == "group"
     assert SageGRPOTrainer(**kw).scheduler.scale_rewards == "group"  # the trainer's own scheduler: built to match
+
+
+def test_a_curation_methods_subset_picks_follow_the_runs_seed(tiny_model_dir, tmp_path):
+    """The balanced-subset picks of ada-seq and the other pooled methods drew from seed 0 in every run: the seeds of a
+    study trained on the same picks. They follow the run's seed."""
+    import numpy as np
+
+    picks = {}
+    for seed in (0, 3):
+        trainer = build_trainer(small("ada-seq", seed=seed), tmp_path / f"s{seed}")
+        picks[seed] = trainer.scheduler.rng.integers(0, 2**31, 4).tolist()
+        assert picks[seed] == np.random.default_rng(seed).integers(0, 2**31, 4).tolist()
+    assert picks[0] != picks[3]
