@@ -15,10 +15,10 @@ The numbers come from the TrainResult's log history (TRL's and SAGE's per-step m
             2..N (step 1 carries vLLM warm-up and CUDA-graph capture).
 - gen_s:    `sage/gen_seconds`, time spent rolling out per step (first rollout + re-rolls, hint writing excluded).
 - rollouts: `sage/rollouts`, completions generated per step (GRPO: prompts x G; SAGE adds its re-rolls).
-- tok/s:    rollouts x `completions/mean_length` / gen_s. The mean length is that of the trained groups, so for
-            SAGE the re-rolls' token count is estimated with it (marked ~ in the header).
+- tok/s:    rollouts x `completions/mean_length` / gen_s. The mean length is that of the step's first rollout
+            (TRL logs it there), so for SAGE the re-rolls' token count is estimated with it (marked ~ in the header).
 - act_MB:   `sage/activation_mb` (measure_activations), the bytes the loss's forward saves for backward per
-            micro-batch, largest step.
+            micro-batch, largest step (step 1 included: a count, not a time).
 - peak_GiB: torch.cuda.max_memory_allocated over the run: training plus the colocated vLLM engine's allocations
             (on CPU: the process's peak resident memory, engine included).
 
@@ -79,8 +79,9 @@ def _mean(values: list[float]) -> float:
 
 
 def step_metrics(history: list[dict], skip_first: bool = True) -> dict[str, float]:
-    """Per-step means from a Trainer log history (entries with `step_time` are the per-step logs)."""
-    steps = [h for h in history if "step_time" in h]
+    """Per-step means from a Trainer log history (entries with `step_time` are the per-step logs); act_mb is the
+    largest step's of all of them (a count of bytes, not a time: step 1 has no warm-up in it)."""
+    every = steps = [h for h in history if "step_time" in h]
     if skip_first and len(steps) > 1:
         steps = steps[1:]
     step_s = _mean([h.get("step_time") for h in steps])
@@ -90,7 +91,7 @@ def step_metrics(history: list[dict], skip_first: bool = True) -> dict[str, floa
     tok_s = rollouts * mean_len / gen_s if gen_s and gen_s > 0 else float("nan")
     return {"steps": float(len(steps)), "step_s": step_s, "gen_s": gen_s, "rollouts": rollouts,
             "mean_len": mean_len, "tok_s": tok_s, "reward": _mean([h.get("reward") for h in steps]),
-            "act_mb": max((float(v) for h in steps if (v := h.get("sage/activation_mb")) is not None),
+            "act_mb": max((float(v) for h in every if (v := h.get("sage/activation_mb")) is not None),
                           default=float("nan"))}
 
 
@@ -227,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if args.hf_generate and "use_vllm" in sets:
         ap.error("--hf-generate rolls out without vLLM: leave use_vllm out of --set")
+    # set by flags for every method (each row's method by its name): --set would override them unseen
+    flags = {"method": "--methods", "max_steps": "--steps", "seed": "--seed", "model": "--model"}
+    if taken := sorted(flags.keys() & sets.keys()):
+        ap.error(f"--set {taken[0]}: use {flags[taken[0]]}")
     missing = [] if args.hf_generate else missing_requirements()
     if missing:
         print("gpu_smoke: needs vllm, missing here. Nothing was run. On a CUDA machine: `pip install -e '.[gpu]'`; "

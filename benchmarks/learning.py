@@ -7,7 +7,9 @@ For each seed, every method trains from the same starting model on the same prom
 prompts, the held-out prompts and the sampling), and the trained model is evaluated with h empty, as at deployment:
 avg@k and pass@k (temperature and top-p of the spec, 0.6 / 0.95 by default) on held-out prompts, on the held-out
 prompts of 3 or more steps (`hard`, synthetic data only), and on the training prompts themselves. The starting model
-is evaluated on the same prompts with the same sampling seed, so every difference is paired. The table gives, per
+is evaluated on the same prompts with the same sampling seed, and every model in float32 (what training starts from
+and a full fine-tune saves; a bfloat16 checkpoint scored as it loads would put a change of precision into the
+change against the start), so every difference is paired. The table gives, per
 method, the mean over seeds and the per-seed range of the change against the starting model and against GRPO of
 the same seed, with the training outcomes (prompts never solved during training, with and without a hint) and the
 training time as a ratio to GRPO's. The paper's claim to compare with: +1.2 to +2.0 points of average accuracy
@@ -53,7 +55,9 @@ def _scores(model, tokenizer, rows: tuple[list[dict], list[dict]], spec) -> dict
 
 
 def run_seed(preset_name: str, methods: list[str], seed: int, overrides: dict) -> list[dict]:
-    """The starting model's scores and each method's, all on this seed's prompts."""
+    """The starting model's scores and each method's, all on this seed's prompts, every model in float32."""
+    import torch
+
     from sage_core.data import build_dataset, eval_rows
     from sage_core.models import load_policy
     from sage_core.presets import preset
@@ -61,12 +65,13 @@ def run_seed(preset_name: str, methods: list[str], seed: int, overrides: dict) -
 
     spec = preset(preset_name, **{**overrides, "method": "grpo", "seed": seed})
     rows = ([dict(r) for r in eval_rows(spec)], [dict(r) for r in build_dataset(spec)])
-    out = [dict(method=BASE, seed=seed, **_scores(*load_policy(spec.model, spec.gguf_file), rows, spec))]
+    start = load_policy(spec.model, spec.gguf_file, dtype=torch.float32)
+    out = [dict(method=BASE, seed=seed, **_scores(*start, rows, spec))]
     for method in methods:
         spec = preset(preset_name, **{**overrides, "method": method, "seed": seed})
         with tempfile.TemporaryDirectory() as tmp, _quiet():
             res = train(spec, Path(tmp), resume=False)
-            scores = _scores(*load_policy(str(res.checkpoint_dir)), rows, spec)
+            scores = _scores(*load_policy(str(res.checkpoint_dir), dtype=torch.float32), rows, spec)
         out.append(dict(method=method, seed=seed, train_seconds=res.summary["train_seconds"],
                         never_solved=res.summary["never_solved"],
                         never_solved_no_hint=res.summary["never_solved_no_hint"], **scores))

@@ -47,6 +47,7 @@ TARGETS = {"sage-light": 1.15, "sage": 1.8}
 
 
 TRL_GRPO = "trl-grpo"  # TRL's own GRPOTrainer on the same config, data, model and reward
+FLAG_FIELDS = {"method": "--methods", "max_steps": "--steps"}  # RunSpec fields a flag sets, not --set or a variant
 
 
 @contextlib.contextmanager
@@ -199,13 +200,16 @@ def main(argv=None) -> int:
         overrides = parse_sets(args.set)
     except SpecError as e:
         ap.error(str(e))
+    if taken := sorted(FLAG_FIELDS.keys() & overrides.keys()):  # preset() would get the field twice
+        ap.error(f"--set {taken[0]}: use {FLAG_FIELDS[taken[0]]}")
     if args.prompts:
         overrides["num_prompts"] = args.prompts
     overrides.setdefault("measure_activations", True)  # the act MB column (a saved-tensor hook: cheap)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
         for m in methods:
-            split_variant(m)
+            if taken := sorted(FLAG_FIELDS.keys() & split_variant(m)[1].keys()):
+                ap.error(f"--methods {m}: a variant sets no {taken[0]} (use {FLAG_FIELDS[taken[0]]})")
     except SpecError as e:
         ap.error(f"--methods: {e}")
     if "grpo" not in methods:

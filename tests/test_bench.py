@@ -124,3 +124,75 @@ def test_learning_bench_compares_paired_no_hint_scores(tiny_model_dir, capsys):
     with pytest.raises(SystemExit) as e:  # a seed or method given through --set would be silently overridden
         lb.main(["--set", "seed=3"])
     assert e.value.code == 2 and "--seeds" in capsys.readouterr().err
+
+
+def test_benches_refuse_set_of_fields_their_flags_own(monkeypatch, capsys, tmp_path):
+    """A field a flag sets (the method, the step count, ...) is refused in --set, as learning.py refuses seed and
+    method: overhead.py passed it to preset() beside the flag's (a TypeError after the imports), and gpu_smoke.py let
+    it override every row's (`--set method=sage` trained SAGE in the rows named grpo and trl-grpo's spec)."""
+    import subprocess
+
+    ob = _bench("overhead")
+    for argv, field in ((["--set", "max_steps=3"], "max_steps"), (["--set", "method=sage"], "method"),
+                        (["--methods", "grpo,sage:method=grpo"], "method")):
+        with pytest.raises(SystemExit) as e:
+            ob.main(argv)
+        assert e.value.code == 2 and field in capsys.readouterr().err
+    spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "benchmarks" / "gpu_smoke.py")
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    ran = []  # no child trains: each "fails" at once
+    monkeypatch.setattr(subprocess, "run", lambda cmd, check=False: ran.append(cmd) or subprocess.CompletedProcess(
+        cmd, 1))
+    for field in ("method=sage", "max_steps=9", "seed=5", "model=tiny"):
+        with pytest.raises(SystemExit) as e:
+            gs.main(["--hf-generate", "--methods", "grpo", "--out", str(tmp_path), "--set", field])
+        assert e.value.code == 2 and field.split("=")[0] in capsys.readouterr().err
+    assert ran == []
+
+
+def test_gpu_smoke_activation_memory_is_the_largest_step_first_included():
+    """gpu_smoke's act_MB is the largest step's, as its table says and overhead.py's `act MB` is: leaving step 1 out
+    (as the time means do, for its warm-up) reported less where step 1 held the most (SAGE's did on tiny-cpu)."""
+    spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "benchmarks" / "gpu_smoke.py")
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    history = [{"step_time": 9.0, "sage/activation_mb": 60.0}, {"step_time": 1.0, "sage/activation_mb": 40.0},
+               {"step_time": 3.0, "sage/activation_mb": 30.0}, {"train_runtime": 13.0}]
+    m = gs.step_metrics(history)
+    assert m["steps"] == 2 and m["step_s"] == 2.0  # the time means still leave step 1 out
+    assert m["act_mb"] == 60.0
+
+
+def test_learning_bench_scores_every_model_in_float32(tiny_model_dir, monkeypatch, tmp_path):
+    """The start and the trained models are scored in one precision, float32 (what training starts from and a full
+    fine-tune saves): loaded as their checkpoints say, a bfloat16 base (most instruct models) scored the start in
+    bfloat16 and the trained models in float32, so `vs start` mixed a change of precision into the training's."""
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    import torch
+
+    from sage_core import models
+
+    lb = _bench("learning")
+    bf16 = tmp_path / "tiny-bf16"  # the tiny model, its config asking for bfloat16
+    shutil.copytree(tiny_model_dir, bf16)
+    cfg = json.loads((bf16 / "config.json").read_text())
+    cfg["dtype"] = cfg["torch_dtype"] = "bfloat16"
+    (bf16 / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(models, "tiny_model_path", lambda *a, **k: bf16)
+    # no training: a run whose final/ is in the base's dtype (a LoRA run's merged model)
+    monkeypatch.setattr("sage_core.train.train", lambda spec, out, resume: SimpleNamespace(
+        checkpoint_dir=bf16, summary={"train_seconds": 1.0, "never_solved": 0.5, "never_solved_no_hint": 0.5}))
+    dtypes = []
+
+    def scores(model, tokenizer, rows, spec):
+        dtypes.append(next(model.parameters()).dtype)
+        return {"held_avg": 0.0, "held_pass": 0.0, "hard_avg": 0.0, "train_avg": 0.0, "n_held": 4, "n_hard": 0}
+
+    monkeypatch.setattr(lb, "_scores", scores)
+    recs = lb.run_seed("tiny-cpu", ["grpo"], 0, {"num_prompts": 8, "eval_num_prompts": 4})
+    assert [r["method"] for r in recs] == [lb.BASE, "grpo"]
+    assert dtypes == [torch.float32, torch.float32]
