@@ -1,7 +1,8 @@
 """Launch a RunSpec on GPUs with `accelerate launch` (DeepSpeed ZeRO-3, FSDP2, DDP or one GPU) and, in vLLM
 server mode, a `vllm serve` process on its own GPUs, the way TRL 1.16 expects.
 
-Two layouts (see docs/gpu.md):
+Three layouts (see docs/gpu.md):
+- **hf**: `use_vllm=False`: every GPU trains and generates with HF generate (`sage launch --preset tiny-cpu`).
 - **colocate**: every GPU trains and runs its own vLLM engine (`use_vllm=True, vllm_mode="colocate"`).
 - **server**: `vllm serve` on GPU 0 (or the first `server_gpus` GPUs, tensor parallel), training on the rest;
   the trainer reaches the server at `vllm_server_base_url` and pushes weights over NCCL (port 51216).

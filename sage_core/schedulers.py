@@ -142,7 +142,9 @@ SCHEDULERS: dict[str, type[Scheduler]] = {"grpo": GRPO, "sage": SAGE, "sage-ligh
 
 def make_scheduler(method: str, **kwargs) -> Scheduler:
     """Build the scheduler of a method name; kwargs a scheduler does not take are ignored. `weighting` (a prompt
-    objective f, trained through w(p) = f'(p)) wraps schedulers that do not weight groups themselves."""
+    objective f, trained through a group weight estimating f'(p) p (1-p): curation.Weighted) wraps schedulers that do
+    not weight groups themselves; the curation methods read it themselves ('none': Reinforce-Ada's log p for
+    ada-seq, ada-est and sage-light+ada-seq)."""
     if method not in SCHEDULERS:
         raise ValueError(f"unknown method {method!r}; choose one of {sorted(SCHEDULERS)}")
     cls = SCHEDULERS[method]

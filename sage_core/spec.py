@@ -48,8 +48,14 @@ class RunSpec(BaseModel):
     hint_temperature: float = Field(0.0, ge=0.0, description="first hint sample's temperature (0 = greedy)")
     light_min: float = Field(0.1, ge=0.0, le=1.0, description="SAGE-LIGHT: raise level when accuracy <= this")
     light_max: float = Field(0.35, ge=0.0, le=1.0, description="SAGE-LIGHT: lower level when accuracy > this")
-    weighting: Weighting = Field("none", description="prompt weight w(p)=f'(p) applied to advantages")
-    max_rounds: int = Field(4, ge=1, description="dapo-filter / ada-seq: sampling rounds cap")
+    weighting: Weighting = Field("none", description="prompt objective f(p) the update climbs: each trained "
+                                 "group's advantages are scaled by an estimate of f'(p) p (1-p) made from its rewards "
+                                 "(sage_core/curation.py; not f'(p) itself: the std division already gives "
+                                 "1/(p(1-p)), so 'linear' is not plain GRPO). 'none': the method's own, plain "
+                                 "advantages but for ada-seq, ada-est and sage-light+ada-seq, which train log p "
+                                 "(Reinforce-Ada's objective)")
+    max_rounds: int = Field(4, ge=1, description="dapo-filter / ada-seq / sage-light+ada-seq: tries per prompt and "
+                                                 "step, the first included; ada-est: its most rounds for a prompt")
     lookahead: bool = Field(False, description="roll the search's next levels (and ada-est's allotted rounds) in "
                                                "the same pass when it stays no wider than the first rollout: fewer "
                                                "sequential passes for some unasked rollouts (counted as spent). On "

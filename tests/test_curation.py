@@ -116,6 +116,24 @@ def test_registered_and_buildable_from_every_spec_method():
         AdaSeq(objective="cubic")
 
 
+def test_weighting_description_says_what_the_weights_train():
+    """RunSpec.weighting's description (the CLI's `sage spec`, the flows' parameter docs) said w(p) = f'(p): the weight
+    a group gets estimates f'(p) p (1-p) (so 'linear' is not plain GRPO), and 'none' leaves the Reinforce-Ada methods
+    on log p."""
+    G, r = 8, [1.0, 1.0] + [0.0] * 6  # k = 2 of 8
+    lin = make_scheduler("grpo", weighting="linear", num_generations=G).finalize("x", [(0, r)]).weight
+    log = make_scheduler("grpo", weighting="log", num_generations=G).finalize("x", [(0, r)]).weight
+    assert lin != pytest.approx(1.0) and log != pytest.approx(4.0)  # not f'(p) = 1, 1/p
+    assert log == pytest.approx(C.pilot_weight(2, G, "log") * S_REF / C.signal(r))  # 2 (1-p) S_ref / S_sel
+    none = {m: getattr(make_scheduler(m, weighting="none", num_generations=G), "objective", "none")
+            for m in RunSpec.model_fields["method"].annotation.__args__}
+    assert {m for m, o in none.items() if o != "none"} == {"ada-seq", "ada-est", "sage-light+ada-seq"}
+    assert set(none.values()) == {"none", "log"}
+    desc = RunSpec.model_fields["weighting"].description
+    assert "f'(p) p (1-p)" in desc and all(m in desc for m in ("ada-seq", "ada-est", "sage-light+ada-seq"))
+    assert "ada-est" in RunSpec.model_fields["max_rounds"].description
+
+
 def test_target_weight_is_f_prime_times_p_one_minus_p():
     p = np.linspace(0.01, 0.99, 50)
     for f in ("linear", "log", "arcsin-sqrt"):
