@@ -22,7 +22,7 @@ from pydantic import Field
 from flows.common import eval_table, resolve_benchmarks, run_eval, slug
 from flows.params import PresetName, resolve_spec
 from sage_core import tracking
-from sage_core.spec import HINTING_METHODS, recorded_beside, spec_from_fields
+from sage_core.spec import HINTING_METHODS, RunSpec, recorded_beside, spec_from_fields
 
 
 def resolve_model(model: str) -> tuple[str, str | None]:
@@ -63,6 +63,21 @@ def provenance(model: str, ref: str, source_run: str | None) -> dict[str, str]:
             "hint_source": source if hinted else "none"}
 
 
+HELDOUT_FIELDS = ("data", "data_split", "seed", "num_prompts", "difficulty")  # what eval_rows' held-out set is of
+
+
+def heldout_fields(ref: str, source_run: str | None) -> dict[str, Any]:
+    """The fields that decide the held-out set (sage_core.data.eval_rows) of the run that trained the model: its
+    MLflow run's (runs:/<id>) or the spec.json beside the checkpoint; {} for a model no run here trained. A run
+    trained on seed 3 has other training prompts than the preset's seed 0: the preset's held-out set could hold
+    them."""
+    if source_run is not None:
+        values = tracking.spec_values(tracking.client().get_run(source_run))
+        return {f: values[f"sage.{f}"] for f in HELDOUT_FIELDS if f"sage.{f}" in values}
+    fields = recorded_beside(ref) or {}
+    return {f: fields[f] for f in HELDOUT_FIELDS if f in fields}
+
+
 def base_model(model: str, ref: str, source_run: str | None) -> str:
     """The model a checkpoint was trained from (see provenance)."""
     return provenance(model, ref, source_run)["model"]
@@ -79,7 +94,8 @@ def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, pre
 
     Args:
         model: 'tiny', a checkpoint folder, an HF model id, or runs:/<MLflow run id>.
-        benchmarks: {name: .parquet/.jsonl file}; default: the preset's held-out set.
+        benchmarks: {name: .parquet/.jsonl file}; default: the held-out set of the run that trained the model
+            (its data, seed, num_prompts, difficulty), else the preset's.
         preset: RunSpec preset giving the default eval settings and held-out set.
         k: samples per prompt (default: the preset's eval_k).
         temperature: sampling temperature, 0 = greedy (default: the preset's eval_temperature).
@@ -103,8 +119,16 @@ def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, pre
                  "max_completion_length": max_new_tokens, "use_vllm": use_vllm}
     spec = resolve_spec(preset, {"model": model}, overrides)
     made = provenance(model, ref, source_run)
-    # rows formatted as in training: a checkpoint of the tiny model gets no system turn
-    benches = resolve_benchmarks(spec.model_copy(update={"model": made["model"]}), benchmarks)
+    # rows formatted as in training: a checkpoint of the tiny model gets no system turn; the default held-out set is
+    # that of the run that trained the model (its data and seed), not the preset's
+    held = spec.model_copy(update={"model": made["model"]})
+    if not benchmarks and (fields := heldout_fields(ref, source_run)):
+        try:
+            held = RunSpec.model_validate({**held.model_dump(), **fields})
+        except ValueError as e:  # an older version's value: the preset's held-out set, said so
+            logger.warning("the held-out set of the run that trained %s (%s) is not readable here (%s); evaluating "
+                           "the preset's", model, fields, str(e).splitlines()[0])
+    benches = resolve_benchmarks(held, benchmarks)
     logger.info("sage-eval %s on %s (k=%d, T=%.2f, top_p=%.2f)", model, sorted(benches), spec.eval_k,
                 spec.eval_temperature, spec.eval_top_p)
     rows = run_eval(ref, benches, spec, label=slug(Path(model).name or model), cache=False)

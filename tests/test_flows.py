@@ -271,6 +271,39 @@ def test_an_eval_run_is_tagged_with_the_method_that_trained_its_model(tmp_path, 
         "model": "tiny", "method": "sage", "hint_source": "fixed"}
 
 
+def test_an_evals_default_held_out_set_is_that_of_the_run_that_trained_the_model(tmp_path, monkeypatch):
+    """sage-eval of a run's checkpoint (spec.json beside it, or runs:/<id>) with no benchmarks evaluates the held-out
+    set of that run (its data file's rows after its training rows), not the preset's (synthetic problems of another
+    task, or a file's rows after the preset's num_prompts: the run's training rows)."""
+    import json
+    import logging
+
+    import flows.eval_flow as ef
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    data = tmp_path / "task.jsonl"
+    data.write_text("".join(json.dumps({"prompt_id": f"q{i}", "problem": f"What is {i} + 1 ?", "answer": str(i + 1)})
+                            + "\n" for i in range(100)))
+    seen = []
+    monkeypatch.setattr(ef, "get_run_logger", lambda: logging.getLogger("test-flow"))
+    monkeypatch.setattr(ef, "run_eval", lambda ref, benches, spec, **kw: seen.append(benches) or [])
+    monkeypatch.setattr(ef, "eval_table", lambda rows, spec: pd.DataFrame(columns=tracking.EVAL_COLUMNS))
+    monkeypatch.setattr(ef, "create_table_artifact", lambda *a, **kw: None)
+    trained = params.resolve_spec("tiny-cpu", {"data": str(data), "num_prompts": 90})
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "spec.json").write_text(trained.model_dump_json())
+    with tracking.start_run(trained, "train", "t-held") as run:
+        pass
+    for model in (str(out / "final"), f"runs:/{run.info.run_id}"):
+        if model.startswith("runs:/"):
+            monkeypatch.setattr(ef, "resolve_model", lambda m: (str(out / "final"), run.info.run_id))
+        ef.sage_eval.fn(model=model)
+        (rows,) = seen.pop().values()
+        assert [r["prompt_id"] for r in rows] == [f"q{i}" for i in range(90, 100)], model
+
+
 def test_an_eval_into_a_run_that_is_not_there_fails_before_evaluating(tmp_path, monkeypatch):
     """sage-eval's `log_to_run` names a run of the store: a wrong id is refused, naming the parameter, before the
     evaluation (hours on a large model), not when its results are logged."""
