@@ -68,9 +68,9 @@ HELDOUT_FIELDS = ("data", "data_split", "seed", "num_prompts", "difficulty")  # 
 
 def heldout_fields(ref: str, source_run: str | None) -> dict[str, Any]:
     """The fields that decide the held-out set (sage_core.data.eval_rows) of the run that trained the model: its
-    MLflow run's (runs:/<id>) or the spec.json beside the checkpoint; {} for a model no run here trained. A run
-    trained on seed 3 has other training prompts than the preset's seed 0: the preset's held-out set could hold
-    them."""
+    MLflow run's (runs:/<id>) or the spec.json beside the checkpoint; {} for a model no run here trained. The
+    preset's would be another task's (a run trained on a data file), or hold training rows (a file's rows after the
+    preset's num_prompts, where the run trained on more)."""
     if source_run is not None:
         values = tracking.spec_values(tracking.client().get_run(source_run))
         return {f: values[f"sage.{f}"] for f in HELDOUT_FIELDS if f"sage.{f}" in values}
