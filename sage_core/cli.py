@@ -460,9 +460,12 @@ def cmd_hints(args: argparse.Namespace) -> int:
         raise SpecError("--teacher (or the spec's teacher): a local model path or an OpenAI-compatible URL "
                         "(http[s]://host/v1)")
     from .hints import is_hints_file
+    from .spec import teacher_url_error
 
     if is_hints_file(teacher):
         raise SpecError(f"--teacher {teacher}: already a hints file; give the model that writes them")
+    if why := teacher_url_error(teacher):  # the teacher's label goes into every row written
+        raise SpecError(why)
     try:
         levels = sorted({int(x) for x in args.levels.split(",")})
     except ValueError:

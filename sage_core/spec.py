@@ -135,6 +135,8 @@ class RunSpec(BaseModel):
         if self.hint_source == "teacher" and not self.teacher and self.method in ("sage", "sage-light",
                                                                                  "sage-light+ada-seq"):
             raise ValueError("hint_source='teacher' needs `teacher` (model path, endpoint URL or hints file)")
+        if why := teacher_url_error(self.teacher):
+            raise ValueError(why)
         if self.data_split != "train" and (self.data == "synthetic" or Path(self.data).suffix.lower() in (
                 ".parquet", ".jsonl", ".json")):
             raise ValueError(f"data_split={self.data_split!r} picks a split of a data set (a folder or an HF name); "
@@ -163,6 +165,25 @@ class RunSpec(BaseModel):
     @property
     def uses_hints(self) -> bool:
         return self.method in HINTING_METHODS
+
+
+def teacher_url_error(teacher: str | None) -> str | None:
+    """Why a teacher endpoint URL is refused, or None: one with a user, a password, a query or a fragment. The URL
+    is recorded (spec.json, the MLflow params, the Prefect parameters, each `sage hints` row's teacher, error
+    messages), so a key in it would be too; the key goes in SAGE_TEACHER_API_KEY. A teacher that is no URL: None."""
+    if not teacher or not teacher.startswith(("http://", "https://")):
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(teacher)
+    except ValueError as e:
+        return f"teacher URL: {e}"
+    if "@" in u.netloc or u.query or u.fragment or teacher.rstrip().endswith(("?", "#")):
+        return (f"teacher {u.scheme}://{u.hostname}...: give the endpoint's base URL with no user, password or "
+                "query (e.g. http://host:8000/v1; it is recorded in spec.json, MLflow and the hints files): an API "
+                "key goes in SAGE_TEACHER_API_KEY")
+    return None
 
 
 def layout_error(spec: RunSpec, world: int) -> str | None:

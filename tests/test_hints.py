@@ -1422,3 +1422,20 @@ def test_a_tls_endpoint_that_trickles_its_reply_head_is_cut_off_at_the_deadline(
     finally:
         client.close()
         listener.close()
+
+
+def test_sage_hints_refuses_a_teacher_url_with_a_password(monkeypatch, tmp_path, capsys):
+    """`sage hints --teacher URL` builds no RunSpec with it: a URL with a user and password was asked (httpx sent them
+    as basic auth) and written, as each row's teacher, into every row of the hints file, and into every message; it
+    is refused before the teacher is asked, naming SAGE_TEACHER_API_KEY."""
+    from sage_core import cli
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    out = tmp_path / "teacher.jsonl"
+    with _ChatEndpoint(lambda body: (200, "Add first .")) as teacher:
+        url = teacher.url.replace("http://", "http://alice:s3cret@")
+        code = cli.main(["hints", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--levels", "1",
+                         "--out", str(out), "--teacher", url])
+    err = capsys.readouterr().err
+    assert code == 2 and "no user, password or query" in err and "SAGE_TEACHER_API_KEY" in err
+    assert "s3cret" not in err and teacher.auth == [] and teacher.bodies == [] and not out.exists()

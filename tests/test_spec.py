@@ -201,3 +201,16 @@ def test_eval_every_is_the_same_run_with_the_same_key_and_can_change_on_resume(t
     (tmp_path / "tracker" / "step_000001.parquet").write_bytes(b"")
     check_run_folder(spec.model_copy(update={"eval_every": 2, "eval_data": "x.jsonl", "keep_checkpoints": 5}),
                      tmp_path)  # no RunFolderTaken
+
+
+@pytest.mark.parametrize("url", ["http://alice:s3cret@h:8000/v1", "https://s3cret@h/v1",
+                                 "http://h:8000/v1?api_key=s3cret", "http://h:8000/v1#s3cret", "http://h:8000/v1?"])
+def test_a_teacher_url_with_a_user_password_or_query_is_refused(url):
+    """A key in the teacher URL was accepted (httpx sent the user and password as basic auth) and went, as the URL,
+    into spec.json, the MLflow param sage.teacher, every `sage hints` row and the 'waiting for the teacher' lines;
+    a query key was sent nowhere ('/v1?api_key=k/models'). The key goes in SAGE_TEACHER_API_KEY."""
+    with pytest.raises(ValidationError, match="no user, password or query.*SAGE_TEACHER_API_KEY") as e:
+        RunSpec(method="sage", hint_source="teacher", teacher=url)
+    assert "s3cret" not in e.value.errors()[0]["msg"]
+    for fine in ("http://h:8000/v1", "https://h/v1/", "/models/teacher", "hints.jsonl"):
+        assert RunSpec(method="sage", hint_source="teacher", teacher=fine).teacher == fine
