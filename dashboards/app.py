@@ -49,7 +49,7 @@ for _k in ("runs_kinds", "gate_run", "gate_G", "gate_bins", "levels_run", "level
         st.session_state[_k] = st.session_state[_k]
 
 uri = D.tracking_uri()
-st.sidebar.caption(f"Tracking store: `{uri}`")
+st.sidebar.caption(f"Tracking store: `{D.shown_uri(uri)}`")
 
 problem = D.store_problem(uri)
 if problem:
@@ -58,7 +58,8 @@ if problem:
 try:
     exps = D.experiments(uri)
 except Exception as exc:  # noqa: BLE001 - unreachable server, unreadable DB, a file store MLflow refuses to open, ...
-    _stop("error", f"Cannot read the MLflow tracking store `{uri}`: {type(exc).__name__}: {str(exc)[:500]}")
+    _stop("error", f"Cannot read the MLflow tracking store `{D.shown_uri(uri)}`: {type(exc).__name__}: "
+                   f"{str(exc)[:500]}")
 
 if exps.empty:
     _stop("info", "The tracking store has no experiments yet. Train something first (`make demo`).")

@@ -127,6 +127,12 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(unquote(path))
 
 
+def shown_uri(uri: str) -> str:
+    """`uri` as the pages show it, a user and password in it written *** (sage_core.tracking.shown_uri's rule: a
+    test keeps them equal)."""
+    return re.sub(r"(?<=//)[^/@?#]*@", "***@", uri)
+
+
 def store_problem(uri: str) -> str | None:
     """A human message when the store cannot be read, without touching (or creating) it. None when it looks fine."""
     db = sqlite_path(uri)

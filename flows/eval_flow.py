@@ -113,7 +113,7 @@ def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, pre
         try:
             tracking.client().get_run(log_to_run)
         except MlflowException as e:
-            raise ValueError(f"log_to_run: no MLflow run {log_to_run!r} in {tracking.tracking_uri()}: {e}") from None
+            raise ValueError(f"log_to_run: no MLflow run {log_to_run!r} in {tracking.shown_uri()}: {e}") from None
     ref, source_run = resolve_model(model)
     overrides = {"eval_k": k, "eval_temperature": temperature, "eval_top_p": top_p,
                  "max_completion_length": max_new_tokens, "use_vllm": use_vllm}

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     run = latest_study(args.experiment)
     if run is None:
         print(f"no finished hint-study with a comparison table in experiment {args.experiment!r} "
-              f"({tracking.tracking_uri()})", file=sys.stderr)
+              f"({tracking.shown_uri()})", file=sys.stderr)
         return 1
     df = load_comparison(run.info.run_id)
     exp_id = run.info.experiment_id
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLflow study run : {tracking.run_url(run.info.run_id, exp_id)}")
     if children:
         print(f"MLflow comparison: {tracking.compare_url(children, exp_id)}")
-    print(f"MLflow store     : {tracking.tracking_uri()}")
+    print(f"MLflow store     : {tracking.shown_uri()}")
     print(f"Dashboard        : make dashboard   ->  {dashboard_url()}")
     print(f"Prefect UI       : http://127.0.0.1:{os.environ.get('PREFECT_PORT', '4200')}   (make down stops the "
           "services)")

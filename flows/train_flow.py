@@ -52,7 +52,7 @@ def _flow_run_name() -> str:
 def _link(run_id: str, experiment_id: str, what: str) -> None:
     try:
         create_link_artifact(link=tracking.run_url(run_id, experiment_id), link_text=f"MLflow {what} run",
-                             key="mlflow-run", description=f"MLflow run {run_id} ({tracking.tracking_uri()})")
+                             key="mlflow-run", description=f"MLflow run {run_id} ({tracking.shown_uri()})")
     except Exception as e:  # noqa: BLE001 - an artifact must never fail a run
         get_run_logger().debug("link artifact not created: %s", e)
 
@@ -91,7 +91,7 @@ def _run_training_locked(spec, out, *, experiment, label, benchmarks, evaluate_b
     run_id, resumed = tracking.resume_or_create_run(spec, "train", out, experiment, run_name=label,
                                                     parent_run_id=parent_run_id, tags=tags)
     exp_id = tracking.client().get_run(run_id).info.experiment_id
-    logger.info("%s MLflow run %s (%s): %s", "resuming" if resumed else "started", run_id, tracking.tracking_uri(),
+    logger.info("%s MLflow run %s (%s): %s", "resuming" if resumed else "started", run_id, tracking.shown_uri(),
                 tracking.run_url(run_id, exp_id))
     _link(run_id, exp_id, "training")
     try:

@@ -216,7 +216,7 @@ def _open_tracking(spec, out: Path, args: argparse.Namespace) -> tuple[list, str
 
     _forget_run_id(spec, out, fresh=args.no_resume)
     rid, resumed = tracking.resume_or_create_run(spec, "train", out, experiment=args.experiment)
-    print(f"sage train: MLflow run {rid}{' (resumed)' if resumed else ''} at {tracking.tracking_uri()}",
+    print(f"sage train: MLflow run {rid}{' (resumed)' if resumed else ''} at {tracking.shown_uri()}",
           flush=True)
     return [tracking.MlflowTrackingCallback(run_id=rid, output_dir=out)], rid
 

@@ -80,6 +80,12 @@ def tracking_uri() -> str:
     return f"sqlite:///{sage_home() / 'mlflow.db'}"  # sqlite:////abs/path: four slashes = absolute
 
 
+def shown_uri(uri: str | None = None) -> str:
+    """The tracking URI (tracking_uri() by default) as logs and pages show it: a user and password in it
+    (postgresql://u:p@db/mlflow, https://token@host) written ***, as they are no one's to read there."""
+    return re.sub(r"(?<=//)[^/@?#]*@", "***@", uri or tracking_uri())
+
+
 def artifact_root() -> Path:
     return sage_home() / "mlartifacts"
 
@@ -204,7 +210,7 @@ def open_run(spec: RunSpec, kind: str, experiment: str = DEFAULT_EXPERIMENT, run
             c.set_tag(run_id, "sage.resumed", str(int(run.data.tags.get("sage.resumed", "0")) + 1))
             _respec_run(run, spec, kind)
             return run_id
-        log.warning("MLflow run %s not found in %s; starting a new run", run_id, tracking_uri())
+        log.warning("MLflow run %s not found in %s; starting a new run", run_id, shown_uri())
 
     exp_id = get_or_create_experiment(experiment)
     all_tags = run_tags(spec, kind, tags)

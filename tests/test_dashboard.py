@@ -92,6 +92,22 @@ def test_tracking_uri_rule_is_sage_core_s(monkeypatch, tmp_path):
     assert D.mlflow_ui_url() == tracking.ui_url() == "http://ui:5005"
 
 
+def test_a_tracking_uri_is_shown_without_its_user_and_password(monkeypatch, capsys):
+    """A store URI with credentials (postgresql://u:p@db, https://token@host) was printed whole by `sage train`,
+    the flows' logs and links and the dashboard's captions; they show it with the user and password written ***."""
+    from dashboards import data as D
+    from sage_core import tracking
+
+    for uri, shown in (("postgresql://alice:s3cret@db:5432/mlflow", "postgresql://***@db:5432/mlflow"),
+                       ("https://tok3n@mlflow.example/", "https://***@mlflow.example/"),
+                       ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
+                       ("sqlite:////home/me/.sage/mlflow.db", "sqlite:////home/me/.sage/mlflow.db"),
+                       ("http://host/path?x=a@b", "http://host/path?x=a@b")):
+        assert D.shown_uri(uri) == tracking.shown_uri(uri) == shown
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql://alice:s3cret@db:5432/mlflow")
+    assert "s3cret" not in tracking.shown_uri()
+
+
 def test_missing_store_shows_a_message_and_creates_nothing(monkeypatch, tmp_path):
     home = tmp_path / "no-such-home"
     at = _ok(_app(monkeypatch, None, SAGE_HOME=str(home)).run())

@@ -9,7 +9,7 @@ from dashboards import data as D
 
 ctx = D.context()
 st.title("Runs")
-st.caption(f"Experiment `{ctx.experiment_name}` (id {ctx.experiment_id}) · store `{ctx.uri}`")
+st.caption(f"Experiment `{ctx.experiment_name}` (id {ctx.experiment_id}) · store `{D.shown_uri(ctx.uri)}`")
 
 runs = ctx.runs
 c1, c2, c3, c4 = st.columns(4)
