@@ -431,7 +431,8 @@ def test_gpu_smoke_metrics_and_table():
             {"train_runtime": 13.0}]
     m = gs.step_metrics(hist)  # step 1 (warm-up) left out
     assert m["steps"] == 2 and m["step_s"] == 2.0 and m["gen_s"] == 1.0 and m["rollouts"] == 64
-    assert m["tok_s"] == 64 * 20 / 1.0 and abs(m["reward"] - 0.6) < 1e-9 and m["act_mb"] == 5.0  # warm-up left out
+    assert m["tok_s"] == 64 * 20 / 1.0 and abs(m["reward"] - 0.6) < 1e-9  # warm-up left out of the timings
+    assert m["act_mb"] == 99.0  # bytes, not time: the largest step's, the first included
     m["peak_gib"] = 1.25
     sage = dict(m, step_s=3.0, tok_s=m["tok_s"] / 2)
     table = gs.format_table({"grpo": m, "sage": sage}, header="gpu_smoke: test")
@@ -439,7 +440,7 @@ def test_gpu_smoke_metrics_and_table():
     assert lines[0] == "gpu_smoke: test" and lines[1].split()[0] == "method"
     grpo_row, sage_row = lines[2].split(), lines[3].split()
     assert grpo_row[0] == "grpo" and grpo_row[7:9] == ["1.00x", "1.00x"]
-    assert sage_row[0] == "sage" and sage_row[7:9] == ["1.50x", "0.50x"] and sage_row[10:] == ["5.0", "1.25"]
+    assert sage_row[0] == "sage" and sage_row[7:9] == ["1.50x", "0.50x"] and sage_row[10:] == ["99.0", "1.25"]
     assert gs.format_table({"sage": sage}).splitlines()[1].split()[7] == "-"  # no GRPO row: no ratio
 
 
