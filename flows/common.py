@@ -54,13 +54,29 @@ def experiment_dir(experiment: str) -> Path:
     return runs_root() / name
 
 
+def experiment_folder(experiment: str, name: str) -> Path:
+    """`experiment_dir(experiment) / name`, or the folder a version before the hash gave it (`<slug>/name`) where only
+    that one is there and its `mlflow_run_id` names a run of this experiment: a run or study started before resumes
+    there (a new folder would start it over, its MLflow run left as it was)."""
+    new, old = experiment_dir(experiment) / name, runs_root() / slug(experiment) / name
+    if old == new or new.exists() or not (rid := tracking.read_run_id(old)):
+        return new
+    try:
+        c = tracking.client()
+        was = c.get_experiment(c.get_run(rid).info.experiment_id).name
+    except Exception:  # noqa: BLE001 - a run no longer there, a store not reachable: the new folder
+        return new
+    return old if was == experiment else new
+
+
 def run_dir(experiment: str, label: str, spec: RunSpec, fresh: bool = False) -> Path:
     """`<SAGE_HOME>/runs/<experiment>/<label>-<spec_key>` (experiment_dir): the same spec resumes in the same folder.
     `fresh` adds a timestamp and this process's id (force a new run: two started in one second get two)."""
     name = f"{slug(label)}-{spec.key()}"
     if fresh:
         name += time.strftime("-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
-    return experiment_dir(experiment) / name
+        return experiment_dir(experiment) / name
+    return experiment_folder(experiment, name)
 
 
 def folder_for(experiment: str, label: str, spec: RunSpec, force: bool = False) -> Path:

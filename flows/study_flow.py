@@ -41,7 +41,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from pydantic import Field, ValidationError
 
-from flows.common import end_status, experiment_dir, resolve_benchmarks, row_from_run, slug
+from flows.common import end_status, experiment_dir, experiment_folder, resolve_benchmarks, row_from_run, slug
 from flows.params import PresetName, SpecPatch, resolve_spec, with_spec_overrides
 from flows.train_flow import Launcher, sage_train
 from sage_core import tracking
@@ -413,7 +413,7 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None
                  variant_specs(seed_base, methods, teacher, match_budget).items()]
 
     skey = study_key(base, experiment, match_budget, benchmarks)
-    out = experiment_dir(experiment) / f"study-{skey}"
+    out = experiment_folder(experiment, f"study-{skey}")
     parent_id, resumed = tracking.resume_or_create_run(
         study_base(base), "study", out, experiment, run_name=f"hint-study-{preset or 'custom'}",
         tags={"sage.study_key": skey, "sage.methods": ",".join(methods), "sage.preset": preset})

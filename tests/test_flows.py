@@ -382,6 +382,27 @@ def test_experiments_of_one_slug_do_not_share_a_run(stubbed_train):
     assert tracking.client().get_run(a["run_id"]).data.tags.get("sage.resumed") is None  # left as it finished
 
 
+def test_a_run_started_before_experiment_folders_had_a_hash_resumes_in_its_folder(stubbed_train):
+    """A run of experiment "sage_v2" started (and stopped) before experiment_dir hashed names that are not their own
+    slug lies in runs/sage-v2/: the flow resumes it there, not starting the run over in runs/sage-v2-<hash>/; a
+    folder there whose run is another experiment's ("sage-v2") is not taken."""
+    import flows.train_flow as tf
+    from sage_core.data import slug
+
+    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    name = common.run_dir("sage_v2", "grpo", spec).name
+    legacy = common.runs_root() / slug("sage_v2") / name
+    legacy.mkdir(parents=True)
+    rid, _ = tracking.resume_or_create_run(spec, "train", legacy, "sage_v2")
+    assert common.run_dir("sage_v2", "grpo", spec) == legacy
+    assert common.run_dir("sage_v2", "grpo", spec, fresh=True).parent == common.experiment_dir("sage_v2")
+    kw = dict(label="grpo", benchmarks=None, evaluate_before=True, evaluate_after=True, force=False,
+              launcher="local", parent_run_id=None, variant=None, preset=None)
+    assert tf.run_training(spec, experiment="sage_v2", **kw)["run_id"] == rid
+    tracking.write_run_id(legacy, tracking.resume_or_create_run(spec, "train", legacy / "x", "sage-v2")[0])
+    assert common.run_dir("sage_v2", "grpo", spec) == common.experiment_dir("sage_v2") / name
+
+
 def test_a_benchmark_file_that_is_not_there_is_refused_before_a_run_is_made(stubbed_train, tmp_path, monkeypatch):
     """sage-train with a benchmark path that does not exist made an MLflow run and failed it (a FAILED run in the
     experiment for a typo); it is refused first, and the experiment holds no run."""
