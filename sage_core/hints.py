@@ -212,13 +212,14 @@ def _answer_value(answer: str) -> Fraction | None:
 def _mentions(text: str, answer: str) -> bool:
     """`answer` (no spaces) occurs in `text` (spaces anywhere in it allowed), as a token of its own where it starts or
     ends with a letter or digit: answer C is in "option C", not in "Case"; x^2+1 not in x^2+10. A word of two letters
-    or more is found in any case (Yes in "the answer is yes"); a single letter (a choice, a variable) only as it is."""
+    or more written as a word (a lowercase letter in it) is found in any case (Yes in "the answer is yes"); a single
+    letter (a choice, a variable) and capitals (a segment AB, a vertex set) only as they are."""
     pattern = r"\s*".join(map(re.escape, answer))
     if answer[0].isalnum():
         pattern = r"(?<![A-Za-z0-9])" + pattern
     if answer[-1].isalnum():
         pattern += r"(?![A-Za-z0-9])"
-    return re.search(pattern, text, re.IGNORECASE if re.fullmatch(r"[A-Za-z]{2,}", answer) else 0) is not None
+    return re.search(pattern, text, re.IGNORECASE if re.fullmatch(r"[A-Za-z]{2,}", answer) and not answer.isupper() else 0) is not None
 
 
 # What may be a numbered list's label: 1-2 digits and "." or ")" (also "(2)") before a word, at the start of the hint

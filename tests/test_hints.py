@@ -149,6 +149,7 @@ def req(pid="p1", level=3, answer="9"):
     ("so the answer is yes", "Yes", True),
     ("It falls on MONDAY.", "\\text{Monday}", True),
     ("Try small values of x first.", "X", False),
+    ("Let a and b be the sides; find ab first.", "AB", False),  # capitals: a segment, not the word "ab"
     ("so the answer is C", "\\text{(C)}", True),
     # a fraction at a sentence's end or before a comma is still a fraction; 1/2.5 is still 1 over 2.5
     ("Halve it: 1/2.", "0.5", True),
