@@ -646,7 +646,8 @@ class MlflowTrackingCallback(TrainerCallback):
         self.log_checkpoint = log_checkpoint
         self.tracker_subdir = tracker_subdir
         self.spec = spec
-        self.experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
+        # None: none asked for (a new run goes to DEFAULT_EXPERIMENT, a reopened one is not warned about)
+        self.experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or None
         self.uploaded: set[str] = set()
         self.pending: list[tuple[dict[str, float], int, int]] = []  # (metrics, step, ms) MLflow did not take yet
         self.checkpoint_logged: Path | None = None

@@ -91,6 +91,12 @@ def test_a_run_resumed_with_another_experiment_says_where_it_logs(store, tmp_pat
     assert not caplog.text and not resumed
     c = tracking.client()
     assert c.get_experiment(c.get_run(new).info.experiment_id).name == tracking.DEFAULT_EXPERIMENT
+    # a callback given no experiment asks for none: reopening the run in t-exp-a is not warned about
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sage_core.tracking"):
+        cb = tracking.make_callback(RunSpec(), output_dir=out)
+        cb.on_train_begin(SimpleNamespace(output_dir=str(out)), _state(0), TrainerControl())
+    assert cb.run_id == rid and not caplog.text
 
 
 def test_run_resumed_with_a_changed_spec_describes_the_new_spec(store, tmp_path):
