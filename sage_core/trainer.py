@@ -185,7 +185,18 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         s = super()._get_train_sampler(dataset)
         if not isinstance(s, RepeatSampler):
             return s
-        return EpochSampler(s.data_source, s.mini_repeat_count, s.batch_size, s.repeat_count, s.shuffle, s.seed)
+        self._epoch_sampler = EpochSampler(s.data_source, s.mini_repeat_count, s.batch_size, s.repeat_count, s.shuffle,
+                                           s.seed)
+        return self._epoch_sampler
+
+    def _run_epoch(self, *args, **kwargs):
+        """HF's epoch, with the sampler told its epoch first: accelerate's set_epoch does not reach it through the
+        batches skipped on a resume mid-epoch when the batch sampler is sharded over processes
+        (SkipBatchSampler(BatchSamplerShard(BatchSampler(sampler)))), and a resumed run on several processes rolled
+        out the first epoch's prompt order again."""
+        if (sampler := getattr(self, "_epoch_sampler", None)) is not None and "epoch" in kwargs:
+            sampler.set_epoch(kwargs["epoch"])
+        return super()._run_epoch(*args, **kwargs)
 
     def _generate_and_score_completions(self, inputs):
         self._rows = inputs if self.model.training else None

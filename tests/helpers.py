@@ -46,9 +46,11 @@ def run_two_ranks(out: Path, method: str, overrides: dict | None = None, *, ctx_
 
 
 def two_rank_job(out: Path, method: str, overrides: dict | None = None, *, ctx_limit: int | None = None,
-                 bucket_overhead: tuple[int, int] | None = None) -> dict:
+                 bucket_overhead: tuple[int, int] | None = None, train: bool = False) -> dict:
+    """`train`: run the job through sage_core.train.train (resumed from the folder's last checkpoint, as `sage train`
+    resumes), not on a trainer built afresh."""
     return {"out": str(out), "method": method, "overrides": overrides or {}, "ctx_limit": ctx_limit,
-            "bucket_overhead": list(bucket_overhead) if bucket_overhead else None}
+            "bucket_overhead": list(bucket_overhead) if bucket_overhead else None, "train": train}
 
 
 def run_jobs_on_two_ranks(jobs: list[dict], *, expect_ok: bool = True, timeout: int = 600):
