@@ -74,11 +74,13 @@ class HintContext:
 # ----------------------------------------------------------------------------------------------- leak guard
 def _clean(s: str) -> str:
     """Typesetting that does not change a LaTeX expression removed ($, \\left/\\right, thin spaces), \\dfrac and
-    \\tfrac written \\frac, the Unicode minus written -, \u03c0 written \\pi, a root of one digit or letter
+    \\tfrac written \\frac, the Unicode minus written -, \u03c0 written \\pi, \u221e written \\infty, an exponent or
+    subscript of one digit or letter unbraced (x^{2} is x^2), a root of one digit or letter
     braced (\\sqrt3, \\sqrt 3 and \u221a3 are \\sqrt{3}; \u221a35 is \\sqrt{35}), whitespace collapsed:
     the form answers and hints are compared in."""
     s = re.sub(r"\$|\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:!]", "", s)
-    s = re.sub(r"\\[dt]frac", r"\\frac", s).replace(MINUS, "-").replace(PI, "\\pi ")
+    s = re.sub(r"\\[dt]frac", r"\\frac", s).replace(MINUS, "-").replace(PI, "\\pi ").replace(INFINITY, "\\infty ")
+    s = re.sub(r"([\^_])\{\s*([0-9A-Za-z])\s*\}", r"\1\2", s)  # x^{2} is x^2, a_{1} is a_1
     s = re.sub(r"\\sqrt\s*([0-9]|[A-Za-z](?![A-Za-z]))", r"\\sqrt{\1}", s)  # LaTeX: \sqrt 35 is \sqrt{3}5
     s = re.sub(r"\u221a\s*(\d+|[A-Za-z](?![A-Za-z]))", r"\\sqrt{\1}", s)  # the sign: √35 is \sqrt{35}
     return re.sub(r"\s+", " ", s).strip().rstrip(".")
@@ -86,6 +88,7 @@ def _clean(s: str) -> str:
 
 MINUS = "\u2212"  # the Unicode minus sign, as some models write -3: read as "-"
 PI = "\u03c0"  # as some models write \\pi
+INFINITY = "\u221e"  # as some models write \\infty
 _TEXT = r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"  # \text{cm}: words inside maths
 
 
@@ -110,10 +113,22 @@ def _value(m: re.Match) -> Fraction | None:
     return Fraction((grouped or plain).replace(",", ""))
 
 
+# A mixed number: 2\frac{1}{2} (\dfrac, \tfrac, \frac12 too) or 2 1/2, a proper fraction after a whole number
+_MIXED = re.compile(r"(?<![\w.,/])(-?)(\d+)\s*(?:\\[dt]?frac\s*(\{\s*\d+\s*\}|\d)\s*(\{\s*\d+\s*\}|\d)"
+                    r"|\s(\d+)/(\d+)(?![\w/]|[.,]\d))")
+# A percentage: 50%, 50\%, 50 percent (also read as 1/2)
+_PERCENT = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)\s*(?:\\?%|per\s*cent\b)", re.IGNORECASE)
+
+
 def _values(text: str) -> set[Fraction]:
     """The values of the numbers written in `text`, each in every reading: "1/2" is 1/2 and also 1 and 2, "3,400" is
-    3400 and also 3 and 400 (the guard rejects a hint on any reading)."""
-    out: set[Fraction] = set()
+    3400 and also 3 and 400, "50%" is 50 and also 1/2, "2 1/2" is 2, 1/2 and also 5/2 (the guard rejects a hint on
+    any reading)."""
+    out: set[Fraction] = {Fraction(m[1]) / 100 for m in _PERCENT.finditer(text)}
+    for m in _MIXED.finditer(text):
+        num, den = (int(x.strip("{} ")) for x in ((m[3], m[4]) if m[3] is not None else (m[5], m[6])))
+        if 0 < num < den:
+            out.add((int(m[2]) + Fraction(num, den)) * (-1 if m[1] else 1))
     for m in _NUMBER.finditer(text):
         if (v := _value(m)) is not None:
             out.add(v)
@@ -209,22 +224,28 @@ def _answer_value(answer: str) -> Fraction | None:
     return _value(m) if m is not None else None
 
 
-def _mentions(text: str, answer: str) -> bool:
+def _mentions(text: str, answer: str, alone: bool = False) -> bool:
     """`answer` (no spaces) occurs in `text` (spaces anywhere in it allowed), as a token of its own where it starts or
     ends with a letter or digit: answer C is in "option C", not in "Case"; x^2+1 not in x^2+10. A word of two letters
     or more written as a word (a lowercase letter in it) is found in any case (Yes in "the answer is yes"); a single
-    letter (a choice, a variable) and capitals (a segment AB, a vertex set) only as they are."""
+    letter (a choice, a variable) and capitals (a segment AB, a vertex set) only as they are. `alone`: not after a
+    letter, a digit or a closing bracket whatever it starts with (\\pi/4 is not in 3\\pi/4)."""
     pattern = r"\s*".join(map(re.escape, answer))
-    if answer[0].isalnum():
+    if alone:
+        pattern = r"(?<![A-Za-z0-9})\]])" + pattern
+    elif answer[0].isalnum():
         pattern = r"(?<![A-Za-z0-9])" + pattern
     if answer[-1].isalnum():
         pattern += r"(?![A-Za-z0-9])"
-    return re.search(pattern, text, re.IGNORECASE if re.fullmatch(r"[A-Za-z]{2,}", answer) and not answer.isupper() else 0) is not None
+    word = re.fullmatch(r"[A-Za-z]{2,}", answer) is not None and not answer.isupper()
+    return re.search(pattern, text, re.IGNORECASE if word else 0) is not None
 
 
-# What may be a numbered list's label: 1-2 digits and "." or ")" (also "(2)") before a word, at the start of the hint
-# or of a line (clean_hint keeps a list item on its own line) or after a sentence's end.
-_LIST_LABEL = re.compile(r"(?:(?P<line>^)|(?<=[.!?]\s))[ \t]*\(?(?P<n>\d{1,2})[.)](?=[ \t]+[A-Za-z])", re.MULTILINE)
+# What may be a numbered list's label: 1-2 digits and "." or ")" (also "(2)"; bold as in Markdown, **2.**) before a
+# word (also an emphasised one, as in "2. **Solve** it"), at the start of the hint or of a line (clean_hint keeps a
+# list item on its own line) or after a sentence's end.
+_LIST_LABEL = re.compile(r"(?:(?P<line>^)|(?<=[.!?]\s))[ \t]*(?:\*\*|__)?\(?(?P<n>\d{1,2})[.)](?:\*\*|__)?"
+                         r"(?=[ \t]+[*_]*[A-Za-z])", re.MULTILINE)
 
 
 def _drop_list_labels(hint: str) -> str:
@@ -251,36 +272,54 @@ def _quantities(hint: str) -> str:
     """The hint as the numeric leak check reads it: the Unicode minus written -, a spaced sign after = joined to
     its number, LaTeX digit grouping written plainly
     (10{,}000, 10,\\!000 and 10\\,000 are 10,000), and the numbers that name no quantity left out: exponents and
-    subscripts (x^2, 3^{4}, a_1), step numbers (Step 2:, **Step 2**, STEP 2.), the level a hint request names, as a
-    hint's title echoes it (Level 2 hint:, Hint (level 2):), and list labels (1. Let n be ...)."""
+    subscripts (x^2, 3^{4}, a_1), step numbers (Step 2:, **Step 2**, STEP 2., ### Step 2, after step 2), case and
+    part labels (Case 1:, Part 2.), the level a hint request names, as a hint's title echoes it (Level 2 hint:,
+    Hint (level 2):, Level 2 (medium):, as the request describes it), and list labels (1. Let n be ...)."""
     h = _drop_list_labels(hint.replace(MINUS, "-"))
-    h = re.sub(r"(=\s*)-\s+(?=\.?\d)", r"\1-", h)  # x = - 5: after =, a spaced minus is a sign, not a subtraction
+    h = re.sub(r"(=\s*)-\s+(?=\.?\d|\\[dt]?frac)", r"\1-", h)  # x = - 5, x = - \frac{1}{2}: after =, a spaced minus
+    # is a sign, not a subtraction
     h = re.sub(r"\{,\}", ",", h)
     h = re.sub(r"(?<=\d),?\\[,!;:]\s*(?=\d{3}(?!\d))", ",", h)
     h = re.sub(r"[\^_]\s*(?:\{[^{}]*\}|-?\d+(?:\.\d+)?)", "p", h)  # a letter: x^2-4 stays a subtraction
-    # a label (Step 2:, **Step 2**: in Markdown), not 5 steps 20 times
-    h = re.sub(r"\b(step)\s+\d+\s*(?=[*_]+|[:.),])", r"\1", h, flags=re.IGNORECASE)
-    return re.sub(r"\b(level)\s+[1-3]\b(?=[\s*_]*(?:hint\b|[):\]]))", r"\1", h, flags=re.IGNORECASE)
+    # a label (Step 2:, **Step 2**: in Markdown, ### Step 2, Step 2 - add, after step 2 you have), not 5 steps 20 times
+    h = re.sub(r"\b(step)\s+\d+(?!\d|[.,]\d|/)", r"\1", h, flags=re.IGNORECASE)
+    h = re.sub(r"\b(case|part)\s+\d+\s*(?=[*_]+|[:.),])", r"\1", h, flags=re.IGNORECASE)  # Case 1: n is even
+    return re.sub(r"\b(level)\s+[1-3]\b(?=[\s*_]*(?:hint\b|[):\]]|[(,\u2013\u2014-]\s*(?:minimal|medium|detailed)\b))",
+                  r"\1", h, flags=re.IGNORECASE)
 
 
 def leaks(hint: str, answer: str) -> bool:
     """True when the hint reveals the final answer: it contains a \\boxed{} answer, or the gold answer itself. A
-    numeric answer is matched by value in any form a number is written in (9 and 9.0; 0.5, 1/2 and \\frac{1}{2}; 1234
-    and 1,234; 5\\text{ cm} as 5; forty-two, two thirds, negative five in words) as a standalone number: "19" does
-    not reveal 9, and "12 - 3" is a step, not the answer. Any other answer is matched as text in one typesetting
-    (spaces, $ and \\text{} wrappers dropped), as a token of its own where it starts or ends with a letter or digit."""
+    numeric answer is matched by value in any form a number is written in (9 and 9.0; 0.5, 1/2, \\frac{1}{2} and
+    50%; 5/2 and 2\\frac{1}{2}; 1234 and 1,234; 5\\text{ cm} as 5; forty-two, two thirds, negative five in words) as a
+    standalone number: "19" does not reveal 9, and "12 - 3" is a step, not the answer. Any other answer is matched
+    as text in one typesetting (spaces, $ and \\text{} wrappers dropped), as a token of its own where it starts or
+    ends with a letter or digit."""
     if "\\boxed" in hint:
         return True
     answer = str(answer)
     value = _answer_value(answer)
     if value is not None:
-        return value in _values(_quantities(hint)) or value in _word_values(hint)
+        found = _values(_quantities(hint)) | _word_values(hint)
+        return value in found or "%" in answer and value / 100 in found  # 17% is also 0.17
     ans = re.sub(r"\s", "", re.sub(_TEXT, r"\1", _clean(answer)))
     ans = re.sub(r"^\((\w)\)$", r"\1", ans)  # a choice: (C) is also written C
     text = re.sub(_TEXT, r"\1", _clean(hint))
     if ans == "A":  # the choice A, not the article: "A good first step" is no leak, "(A)" and "A is right" are
         text = re.sub(r"\bA(?=\s+[a-z])(?!\s+is\b)", " ", text)
-    return bool(ans) and _mentions(text, ans)
+    return bool(ans) and (_mentions(text, ans) or any(_mentions(text, s, alone=True) for s in _slashed(ans)))
+
+
+def _slashed(ans: str) -> set[str]:
+    """A fraction answer as a hint may write it inline: \\frac{\\pi}{4} as \\pi/4, \\frac{x+1}{2} as (x+1)/2 (a part
+    with a + or - only in parentheses); none for another answer."""
+    group = r"\{((?:[^{}]|\{[^{}]*\})+)\}"
+    m = re.fullmatch(r"(-?)\\frac" + group + group, ans)
+    if m is None:
+        return set()
+    sign, num, den = m.groups()
+    forms = [{f"({part})"} | (set() if re.search(r"(?<=.)[-+]", part) else {part}) for part in (num, den)]
+    return {f"{sign}{a}/{b}" for a in forms[0] for b in forms[1]}
 
 
 def clean_hint(text: str) -> str:
