@@ -281,6 +281,25 @@ def test_resumed_callback_uploads_again_the_steps_trained_again(store, tmp_path)
     assert pd.read_parquet(got).prompt_id.tolist() == ["resumed"]
 
 
+
+def _three_steps_then_killed(out, exp: str, prompt_id: str, told: bool = False):
+    """A run of max_steps 4 in `exp` that logged steps 1-3 (a tracker file each, prompt `prompt_id`) and was killed;
+    `told`: its callback was told (end_run), as sage_core.train tells it. Returns the tracker folder, the Trainer
+    args and control, the run id and the callback."""
+    tdir = out / "tracker"
+    tdir.mkdir(parents=True)
+    args, ctl = SimpleNamespace(output_dir=str(out)), TrainerControl()
+    rid, _ = tracking.resume_or_create_run(RunSpec(max_steps=4), "train", out, experiment=exp)
+    cb = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
+    cb.on_train_begin(args, _state(0), ctl)
+    for step in (1, 2, 3):
+        pd.DataFrame({"step": [step], "prompt_id": [prompt_id]}).to_parquet(tdir / f"step_{step:06d}.parquet")
+        cb.on_log(args, _state(step), ctl, logs={"reward": 0.0})
+    if told:
+        cb.end_run(KeyboardInterrupt())
+    tracking.finish_run(rid, "KILLED")
+    return tdir, args, ctl, rid, cb
+
 def test_a_run_resumed_with_fewer_steps_ends_at_its_last_step(store, tmp_path):
     """Killed after step 3, resumed from checkpoint-1 with max_steps=2: MLflow keeps the killed attempt's step-3
     metric point and tracker file (it cannot delete them); the tag `sage.last_step`, set when training ends, says
@@ -289,16 +308,7 @@ def test_a_run_resumed_with_fewer_steps_ends_at_its_last_step(store, tmp_path):
     from dashboards import data as D
 
     out, exp = tmp_path / "train", "t-last-step"
-    tdir = out / "tracker"
-    tdir.mkdir(parents=True)
-    args, ctl = SimpleNamespace(output_dir=str(out)), TrainerControl()
-    rid, _ = tracking.resume_or_create_run(RunSpec(max_steps=4), "train", out, experiment=exp)
-    cb = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
-    cb.on_train_begin(args, _state(0), ctl)
-    for step in (1, 2, 3):
-        pd.DataFrame({"step": [step], "prompt_id": ["killed"]}).to_parquet(tdir / f"step_{step:06d}.parquet")
-        cb.on_log(args, _state(step), ctl, logs={"reward": 0.0})
-    tracking.finish_run(rid, "KILLED")
+    tdir, args, ctl, rid, _ = _three_steps_then_killed(out, exp, "killed")
     for step in (2, 3):  # resumed from checkpoint-1: the tracker discards the later steps' files
         (tdir / f"step_{step:06d}.parquet").unlink()
     assert tracking.resume_or_create_run(RunSpec(max_steps=2), "train", out, experiment=exp) == (rid, True)
@@ -345,17 +355,7 @@ def test_a_run_resumed_from_an_earlier_checkpoint_and_stopped_again_ends_at_the_
     from dashboards import data as D
 
     out, exp = tmp_path / "train", "t-last-step-killed"
-    tdir = out / "tracker"
-    tdir.mkdir(parents=True)
-    args, ctl = SimpleNamespace(output_dir=str(out)), TrainerControl()
-    rid, _ = tracking.resume_or_create_run(RunSpec(max_steps=4), "train", out, experiment=exp)
-    cb = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
-    cb.on_train_begin(args, _state(0), ctl)
-    for step in (1, 2, 3):
-        pd.DataFrame({"step": [step], "prompt_id": ["first"]}).to_parquet(tdir / f"step_{step:06d}.parquet")
-        cb.on_log(args, _state(step), ctl, logs={"reward": 0.0})
-    cb.end_run(KeyboardInterrupt())
-    tracking.finish_run(rid, "KILLED")
+    tdir, args, ctl, rid, _ = _three_steps_then_killed(out, exp, "first", told=True)
     for step in (2, 3):  # resumed from checkpoint-1: the tracker discards the later steps' files
         (tdir / f"step_{step:06d}.parquet").unlink()
     assert tracking.resume_or_create_run(RunSpec(max_steps=4), "train", out, experiment=exp) == (rid, True)
