@@ -300,6 +300,21 @@ def _three_steps_then_killed(out, exp: str, prompt_id: str, told: bool = False):
     tracking.finish_run(rid, "KILLED")
     return tdir, args, ctl, rid, cb
 
+
+def _resumed_from_step_one_to_two(out, exp: str, spec: RunSpec, prompt_id: str):
+    """The run of _three_steps_then_killed resumed from checkpoint-1 with `spec` (the tracker discards the later
+    steps' files), its step 2 logged (prompt `prompt_id`, reward 1): its callback."""
+    tdir, args, ctl = out / "tracker", SimpleNamespace(output_dir=str(out)), TrainerControl()
+    for step in (2, 3):
+        (tdir / f"step_{step:06d}.parquet").unlink()
+    rid, resumed = tracking.resume_or_create_run(spec, "train", out, experiment=exp)
+    assert resumed
+    cb = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
+    cb.on_train_begin(args, _state(1), ctl)
+    pd.DataFrame({"step": [2], "prompt_id": [prompt_id]}).to_parquet(tdir / "step_000002.parquet")
+    cb.on_log(args, _state(2), ctl, logs={"reward": 1.0})
+    return cb
+
 def test_a_run_resumed_with_fewer_steps_ends_at_its_last_step(store, tmp_path):
     """Killed after step 3, resumed from checkpoint-1 with max_steps=2: MLflow keeps the killed attempt's step-3
     metric point and tracker file (it cannot delete them); the tag `sage.last_step`, set when training ends, says
@@ -309,13 +324,7 @@ def test_a_run_resumed_with_fewer_steps_ends_at_its_last_step(store, tmp_path):
 
     out, exp = tmp_path / "train", "t-last-step"
     tdir, args, ctl, rid, _ = _three_steps_then_killed(out, exp, "killed")
-    for step in (2, 3):  # resumed from checkpoint-1: the tracker discards the later steps' files
-        (tdir / f"step_{step:06d}.parquet").unlink()
-    assert tracking.resume_or_create_run(RunSpec(max_steps=2), "train", out, experiment=exp) == (rid, True)
-    resumed = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
-    resumed.on_train_begin(args, _state(1), ctl)
-    pd.DataFrame({"step": [2], "prompt_id": ["resumed"]}).to_parquet(tdir / "step_000002.parquet")
-    resumed.on_log(args, _state(2), ctl, logs={"reward": 1.0})
+    resumed = _resumed_from_step_one_to_two(out, exp, RunSpec(max_steps=2), "resumed")
     resumed.on_train_end(args, _state(2), ctl)
     resumed.log_final_model(out / "final", 2)
     tracking.finish_run(rid)
@@ -356,13 +365,7 @@ def test_a_run_resumed_from_an_earlier_checkpoint_and_stopped_again_ends_at_the_
 
     out, exp = tmp_path / "train", "t-last-step-killed"
     tdir, args, ctl, rid, _ = _three_steps_then_killed(out, exp, "first", told=True)
-    for step in (2, 3):  # resumed from checkpoint-1: the tracker discards the later steps' files
-        (tdir / f"step_{step:06d}.parquet").unlink()
-    assert tracking.resume_or_create_run(RunSpec(max_steps=4), "train", out, experiment=exp) == (rid, True)
-    resumed = tracking.MlflowTrackingCallback(run_id=rid, output_dir=out, log_checkpoint=False)
-    resumed.on_train_begin(args, _state(1), ctl)
-    pd.DataFrame({"step": [2], "prompt_id": ["second"]}).to_parquet(tdir / "step_000002.parquet")
-    resumed.on_log(args, _state(2), ctl, logs={"reward": 1.0})
+    resumed = _resumed_from_step_one_to_two(out, exp, RunSpec(max_steps=4), "second")
     resumed.end_run(KeyboardInterrupt())
     tracking.finish_run(rid, "KILLED")
 
