@@ -466,6 +466,19 @@ def _normalise_prompt(prompt: Any, system_prompt: str | None) -> list[dict[str, 
     return msgs
 
 
+KNOWN_COLUMNS = frozenset({"prompt", "solution", "difficulty", *PROBLEM_ALIASES, *ANSWER_ALIASES, *ID_ALIASES})
+
+
+def _known_names_lowered(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with a column named as a known one in other case (AIME 2024's `Problem`, `Answer`, `ID`) under the
+    known name, where the record has no column of that name already."""
+    for key in list(record):
+        low = key.lower() if isinstance(key, str) else key
+        if low != key and low in KNOWN_COLUMNS and low not in record:
+            record[low] = record.pop(key)
+    return record
+
+
 def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
                       system_prompt: str | None = None, first_row: int = 0,
                       for_hints: bool = True) -> list[dict[str, Any]]:
@@ -473,7 +486,7 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
     missing columns (naming the column, the source and the columns found), malformed prompts and duplicated prompt
     ids; rows are counted from `first_row` (0; the held-out rows of a file: their row in it). Rows without a
     solution are warned about where they are trained on (`for_hints`: hints are written from it), not in evaluation."""
-    records = [_to_py(dict(r)) for r in records]
+    records = [_known_names_lowered(_to_py(dict(r))) for r in records]
     columns = sorted({k for r in records for k in r})
     if not records:
         raise DataError(f"{source}: no rows")

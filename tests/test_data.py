@@ -683,3 +683,14 @@ def test_the_eval_while_training_never_scores_training_rows_of_its_own_source(tm
     other = with_absolute_paths(base.model_copy(update={"eval_data": "other.jsonl"}))
     assert eval_set_name(other) == "other" and [r["problem"] for r in eval_set_rows(other)] == [
         r["problem"] for r in rows[:5]]
+
+
+def test_columns_named_in_other_case_are_read_as_the_known_ones():
+    """AIME 2024 as published (Problem, Solution, Answer, ID) was refused as missing 'prompt'; a column already named
+    as the known one wins over another case of it."""
+    rows = data.normalise_records([{"ID": "2024-I-1", "Problem": "What is 200 + 4 ?", "Solution": "200 + 4 = 204 .",
+                                    "Answer": 204}], "aime.jsonl")
+    assert [(r["prompt_id"], r["problem"], r["answer"], r["solution"]) for r in rows] == [
+        ("2024-I-1", "What is 200 + 4 ?", "204", "200 + 4 = 204 .")]
+    both = data.normalise_records([{"problem": "What is 1 + 1 ?", "answer": 2, "Answer": "two"}], "both.jsonl")
+    assert both[0]["answer"] == "2"
