@@ -62,8 +62,7 @@ def experiment_folder(experiment: str, name: str) -> Path:
     if old == new or new.exists() or not (rid := tracking.read_run_id(old)):
         return new
     try:
-        c = tracking.client()
-        was = c.get_experiment(c.get_run(rid).info.experiment_id).name
+        was = tracking.run_experiment_name(rid)
     except Exception:  # noqa: BLE001 - a run no longer there, a store not reachable: the new folder
         return new
     return old if was == experiment else new

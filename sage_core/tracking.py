@@ -350,6 +350,12 @@ def write_run_id(output_dir: str | Path, run_id: str) -> None:
     tmp.replace(p / RUN_ID_FILE)
 
 
+def run_experiment_name(run_id: str) -> str:
+    """The name of the experiment MLflow run `run_id` is in."""
+    c = client()
+    return c.get_experiment(c.get_run(run_id).info.experiment_id).name
+
+
 def resume_or_create_run(spec: RunSpec, kind: str, output_dir: str | Path,
                          experiment: str | None = DEFAULT_EXPERIMENT, run_name: str | None = None,
                          parent_run_id: str | None = None,
@@ -364,14 +370,11 @@ def resume_or_create_run(spec: RunSpec, kind: str, output_dir: str | Path,
     rid = open_run(spec, kind, experiment or DEFAULT_EXPERIMENT, run_name, parent_run_id, run_id=previous, tags=tags)
     if rid != previous:
         write_run_id(output_dir, rid)
-    elif experiment is not None:
-        c = client()
-        name = c.get_experiment(c.get_run(rid).info.experiment_id).name
-        if name != experiment:
-            log.warning("MLflow run %s, resumed from %s, is in experiment %r, not %r: a resumed run logs into the "
-                        "run it started (MLflow cannot move a run to another experiment); for a run in %r, train in "
-                        "another output dir (or start over: --no-resume)", rid, output_dir, name, experiment,
-                        experiment)
+    elif experiment is not None and (name := run_experiment_name(rid)) != experiment:
+        log.warning("MLflow run %s, resumed from %s, is in experiment %r, not %r: a resumed run logs into the "
+                    "run it started (MLflow cannot move a run to another experiment); for a run in %r, train in "
+                    "another output dir (or start over: --no-resume)", rid, output_dir, name, experiment,
+                    experiment)
     return rid, rid == previous
 
 
@@ -652,8 +655,9 @@ class MlflowTrackingCallback(TrainerCallback):
         self.pending: list[tuple[dict[str, float], int, int]] = []  # (metrics, step, ms) MLflow did not take yet
         self.checkpoint_logged: Path | None = None
         self.owns_run = False
-        self.step: int | None = None  # the global step this attempt reached (the main process's hooks)
-        self.began = False  # a Trainer began training (on_train_begin): not the done path, which trains nothing
+        # the global step this attempt reached (the main process's hooks); None: no Trainer hook ran (train's done
+        # path, which trains nothing)
+        self.step: int | None = None
         self._ready = False
 
     # -- internals
@@ -732,7 +736,6 @@ class MlflowTrackingCallback(TrainerCallback):
         if state.is_world_process_zero:
             self._setup(args)
             self.step = state.global_step
-            self.began = True
             # a resumed run trains the steps after its checkpoint again: their files are uploaded again when
             # written (the run's copies, from before a kill, belong to the discarded trajectory)
             self.uploaded = {n for n in self.uploaded if (step_of(n) or 0) <= state.global_step}
@@ -770,7 +773,8 @@ class MlflowTrackingCallback(TrainerCallback):
         # (resumed with a lower max_steps or rollout_budget); MLflow cannot delete them, the dashboard leaves them out
         client().set_tag(self.run_id, LAST_STEP_TAG, str(global_step))
         if self.log_checkpoint and Path(final).is_dir():
-            if self.began or client().get_run(self.run_id).data.tags.get("sage.checkpoint_step") != str(global_step):
+            trained_now = self.step is not None  # a Trainer hook ran: not a finished run entered again
+            if trained_now or client().get_run(self.run_id).data.tags.get("sage.checkpoint_step") != str(global_step):
                 log_checkpoint(final, self.run_id)
                 client().set_tag(self.run_id, "sage.checkpoint_step", str(global_step))
             self.checkpoint_logged = Path(final)
