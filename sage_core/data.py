@@ -195,6 +195,9 @@ def _generic_hint(solution: str, answer: str, level: int) -> str:
 ANSWER_ALIASES = ("answer", "gt", "ground_truth", "final_answer")
 PROBLEM_ALIASES = ("problem", "question")
 ID_ALIASES = ("prompt_id", "id", "index", "unique_id")
+# answers that say there is none to check: NuminaMath-1.5 gives a proof problem the answer 'proof' and a problem whose
+# answer it could not find in the solution 'notfound'; trained on, the reward would teach a policy to box the word
+PLACEHOLDER_ANSWERS = ("proof", "notfound")
 
 
 def strip_boxed(answer: str) -> str:
@@ -485,7 +488,10 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
     """Records with any of the accepted column names -> rows in the schema. Raises DataError (a ValueError) on
     missing columns (naming the column, the source and the columns found), malformed prompts and duplicated prompt
     ids; rows are counted from `first_row` (0; the held-out rows of a file: their row in it). Rows without a
-    solution are warned about where they are trained on (`for_hints`: hints are written from it), not in evaluation."""
+    solution are warned about where they are trained on (`for_hints`: hints are written from it), not in evaluation.
+    Rows whose answer is a placeholder (PLACEHOLDER_ANSWERS: NuminaMath-1.5's 'proof', 'notfound') are left out,
+    with one warning counting them; a DataError where every row is one. They are left out of the records given, so
+    a file's first num_prompts rows train on fewer where some are (its held-out rows stay the rows after those)."""
     records = [_known_names_lowered(_to_py(dict(r))) for r in records]
     columns = sorted({k for r in records for k in r})
     if not records:
@@ -509,7 +515,8 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
             raise DataError(f"{source}: missing column 'answer' (or {', '.join(ANSWER_ALIASES[1:])}, or a 'solution' "
                              f"that ends in \\boxed{{answer}}); columns found: {columns}")
         boxed_in_solution = True
-    rows, no_solution, gsm8k = [], 0, 0
+    rows, at, no_solution, gsm8k = [], [], 0, 0
+    placeholders: dict[str, list[int]] = {}  # placeholder answer -> the rows left out for it
     for i, r in enumerate(records, first_row):
         prompt = r.get("prompt")
         problem = first(r, PROBLEM_ALIASES)
@@ -556,6 +563,9 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
         if not gold:
             raise DataError(f"{source}: row {i}: 'answer' {str(answer)[:80]!r} is empty once stripped of $ and "
                             f"\\boxed{{}}")
+        if gold.lower() in PLACEHOLDER_ANSWERS:
+            placeholders.setdefault(gold.lower(), []).append(i)
+            continue
         if _is_missing(solution) or not str(solution).strip():
             no_solution += 1
             solution = ""
@@ -581,6 +591,19 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
             diff = -1
         rows.append({"prompt": chat, "problem": str(problem), "solution": str(solution),
                      "answer": gold, "prompt_id": str(pid), "difficulty": diff})
+        at.append(i)
+    if placeholders:
+        n, where = sum(map(len, placeholders.values())), sorted(j for js in placeholders.values() for j in js)
+        what = ", ".join(f"{len(js)} {a!r}" for a, js in placeholders.items())
+        if not rows:
+            raise DataError(f"{source}: every one of its {n} rows has a placeholder for an answer ({what}: "
+                            "NuminaMath-1.5's marks of a proof or of an answer not found), no answer a reply can be "
+                            "checked against")
+        msg = (f"{source}: {n} of {n + len(rows)} rows are left out: their answer is a placeholder ({what}: "
+               f"NuminaMath-1.5's marks of a proof or of an answer not found), no answer a reply can be checked "
+               f"against (rows {', '.join(map(str, where[:5]))}{', ...' if n > 5 else ''})")
+        logger.warning(msg)
+        warnings.warn(msg, stacklevel=3)
     if gsm8k:
         logger.info("%s: %d of %d answers in GSM8K's form (rationale, then '#### answer'): the gold answer is what "
                     "follows ####, the rationale the solution where the row has none", source, gsm8k, len(rows))
@@ -591,7 +614,7 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
                f"answer-free from the problem only")
         logger.warning(msg)
         warnings.warn(msg, stacklevel=3)
-    check_unique(rows, source, first_row)
+    check_unique(rows, source, row_numbers=at)
     return rows
 
 
@@ -605,12 +628,15 @@ def _lone_surrogate(text: str) -> str | None:
     return None
 
 
-def check_unique(rows: Sequence[Mapping[str, Any]], source: str, first_row: int = 0) -> None:
+def check_unique(rows: Sequence[Mapping[str, Any]], source: str, first_row: int = 0,
+                 row_numbers: Sequence[int] | None = None) -> None:
     """A DataError naming the prompt ids that more than one row of `rows` (in the row schema) has, and the rows
-    (counted from `first_row`) that share the first: training groups rollouts, and evaluation keys results, by
-    prompt id. An id made from the problem (h-..., a row without one) is in no file: the rows are how to find it."""
+    (counted from `first_row`, or each one's number in `row_numbers` where rows were left out) that share the first:
+    training groups rollouts, and evaluation keys results, by prompt id. An id made from the problem (h-..., a row
+    without one) is in no file: the rows are how to find it."""
     seen: dict[str, list[int]] = {}
-    for i, r in enumerate(rows, first_row):
+    numbers = range(first_row, first_row + len(rows)) if row_numbers is None else row_numbers
+    for i, r in zip(numbers, rows, strict=True):
         seen.setdefault(r["prompt_id"], []).append(i)
     dups = [k for k, at in seen.items() if len(at) > 1]
     if dups:

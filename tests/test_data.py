@@ -694,3 +694,31 @@ def test_columns_named_in_other_case_are_read_as_the_known_ones():
         ("2024-I-1", "What is 200 + 4 ?", "204", "200 + 4 = 204 .")]
     both = data.normalise_records([{"problem": "What is 1 + 1 ?", "answer": 2, "Answer": "two"}], "both.jsonl")
     assert both[0]["answer"] == "2"
+
+
+def test_rows_whose_answer_is_a_placeholder_are_left_out_with_one_warning(tmp_path):
+    """NuminaMath-1.5 answers a proof problem 'proof' and one whose answer it did not find 'notfound': no gold answer
+    to train or score on (the reward would teach the policy to box the word). Such rows are left out, one warning
+    counting them; the rows left are named by their row in the file; a file of nothing else is a DataError."""
+    records = [{"problem": "Prove that 2 is prime.", "solution": "It has no divisor but 1 and 2.", "answer": "proof"},
+               {"problem": "Find x.", "solution": "x = \\boxed{3}", "answer": "3"},
+               {"problem": "Find y.", "solution": "We cannot say.", "answer": "notfound"},
+               {"problem": "Show it.", "solution": "Done.", "answer": "$\\boxed{proof}$"},
+               {"problem": "Find z.", "solution": "z = \\boxed{5}", "answer": "5"}]
+    path = tmp_path / "numina.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    with pytest.warns(UserWarning) as caught:
+        rows = load_rows(str(path))
+    assert [(r["problem"], r["answer"]) for r in rows] == [("Find x.", "3"), ("Find z.", "5")]
+    (warning,) = [w for w in caught if "placeholder" in str(w.message)]
+    assert re.search(r"3 of 5 rows are left out: their answer is a placeholder \(2 'proof', 1 'notfound'.*\(rows 0, "
+                     r"2, 3\)", str(warning.message))
+    with pytest.warns(UserWarning, match="3 of 5 rows are left out"):  # nor scored on
+        assert [r["answer"] for r in data.load_benchmark(str(path))] == ["3", "5"]
+    path.write_text("\n".join(json.dumps(r | {"id": "same"}) for r in records))  # the rows left named as in the file
+    with pytest.raises(data.DataError, match=r"rows 1 and 4 share 'same'"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_rows(str(path))
+    path.write_text("\n".join(json.dumps(records[i]) for i in (0, 2)))
+    with pytest.raises(data.DataError, match=r"numina.jsonl: every one of its 2 rows has a placeholder for an answer"):
+        load_rows(str(path))
