@@ -515,7 +515,7 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
             raise DataError(f"{source}: missing column 'answer' (or {', '.join(ANSWER_ALIASES[1:])}, or a 'solution' "
                              f"that ends in \\boxed{{answer}}); columns found: {columns}")
         boxed_in_solution = True
-    rows, at, no_solution, gsm8k = [], [], 0, 0
+    rows, at, no_solution, gsm8k, blank_boxed = [], [], 0, 0, 0
     placeholders: dict[str, list[int]] = {}  # placeholder answer -> the rows left out for it
     for i, r in enumerate(records, first_row):
         prompt = r.get("prompt")
@@ -546,9 +546,12 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
                                 f"answer: {str(solution)[-80:]!r}")
         else:
             answer = first(r, answer_cols)
+            # a blank cell in an answer column: the solution's last box, as for a file without one (MATH's layout)
+            if answer is None and (answer := extract_boxed(str(solution or ""))) is not None:
+                blank_boxed += 1
         if answer is None:
             raise DataError(f"{source}: row {i} has no 'answer' (or {', '.join(ANSWER_ALIASES[1:])}), or only a "
-                             f"blank one; columns found: {columns}")
+                            f"blank one, and no 'solution' with a \\boxed{{}} answer; columns found: {columns}")
         if isinstance(answer, (Mapping, list)):
             raise DataError(f"{source}: row {i}: 'answer' must be a string or a number, got a "
                             f"{type(answer).__name__}: {str(answer)[:80]!r}")
@@ -609,6 +612,9 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
                     "follows ####, the rationale the solution where the row has none", source, gsm8k, len(rows))
     if boxed_in_solution:
         logger.info("%s: no answer column: each gold answer is its solution's last \\boxed{}", source)
+    if blank_boxed:
+        logger.info("%s: %d rows have a blank answer: their gold answer is their solution's last \\boxed{}", source,
+                    blank_boxed)
     if no_solution and for_hints:
         msg = (f"{source}: {no_solution} of {len(rows)} rows have no 'solution'; their hints will be built "
                f"answer-free from the problem only")

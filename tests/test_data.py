@@ -722,3 +722,27 @@ def test_rows_whose_answer_is_a_placeholder_are_left_out_with_one_warning(tmp_pa
     path.write_text("\n".join(json.dumps(records[i]) for i in (0, 2)))
     with pytest.raises(data.DataError, match=r"numina.jsonl: every one of its 2 rows has a placeholder for an answer"):
         load_rows(str(path))
+
+
+def test_a_blank_answer_cell_takes_the_solutions_last_box(tmp_path, caplog):
+    """A row whose answer cell is blank (empty, null, or no such key in its line) while its solution ends in a box
+    has that box as its gold answer, as MATH's layout (no answer column) has; neither is a DataError naming the row."""
+    records = [{"problem": "p0", "solution": "s", "answer": "1"},
+               {"problem": "p1", "solution": "so $\\boxed{\\frac{1}{2}}$", "answer": " "},
+               {"problem": "p2", "solution": "first \\boxed{3}, then \\boxed{4}", "answer": None},
+               {"problem": "p3", "solution": "\\boxed{5}"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    with caplog.at_level("INFO", logger="sage_core.data"):
+        rows = load_rows(str(path))
+    assert rows["answer"] == ["1", "\\frac{1}{2}", "4", "5"]
+    assert rows["solution"] == [r["solution"] for r in records]
+    assert "3 rows have a blank answer: their gold answer is their solution's last \\boxed{}" in caplog.text
+    verl = tmp_path / "verl.jsonl"  # verl's nested columns alike
+    verl.write_text(json.dumps({"problem": "p", "reward_model": {"ground_truth": "", "solution": "\\boxed{7}"}}))
+    assert load_rows(str(verl))["answer"] == ["7"]
+    unboxed = {"problem": "p1", "solution": "no box", "answer": ""}
+    path.write_text("\n".join(json.dumps(r) for r in [records[0], unboxed]))
+    with pytest.raises(data.DataError, match=r"rows.jsonl: row 1 has no 'answer' .*or only a blank one, and no "
+                                             r"'solution' with a \\boxed\{\} answer"):
+        load_rows(str(path))
