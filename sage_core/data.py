@@ -258,8 +258,10 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
 
     A folder written by `datasets`' save_to_disk is read with load_from_disk: a saved DatasetDict gives its `split`
     (a MissingSplit naming the splits it has where it lacks it); a saved single Dataset has no splits, so it is the
-    data whatever `split` is asked for. Float32/float16 values (Parquet, Arrow) are read as the shortest decimal
-    that is the same number in their own precision (a float32 0.1 is 0.1, not 0.10000000149011612)."""
+    data whatever `split` is asked for. A .json file is alike: a JSON object of lists ({"train": [...], "test":
+    [...]}) gives its `split` (a MissingSplit naming its splits where it lacks it), a list (or one under 'data' or
+    'rows') is the data whatever `split` is asked for. Float32/float16 values (Parquet, Arrow) are read as the
+    shortest decimal that is the same number in their own precision (a float32 0.1 is 0.1, not 0.10000000149011612)."""
     path = Path(source).expanduser()
     suffix = path.suffix.lower()
     if suffix in (".parquet", ".jsonl", ".json") or path.is_file():
@@ -293,12 +295,17 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
             if e.msg == "Extra data":  # JSON lines in a .json file, as datasets' to_json writes by default
                 return _json_lines(text, path.resolve()), str(path.resolve())
             raise DataError(f"{path.resolve()}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
-        if isinstance(data, Mapping):
-            for key in (split, "data", "rows", "train"):
+        if isinstance(data, Mapping):  # {"train": [...], "test": [...]}: splits, as a DatasetDict's
+            splits = [k for k, v in data.items() if isinstance(v, list)]
+            for key in (split, "data", "rows"):
                 if isinstance(data.get(key), list):
+                    if len(splits) > 1:
+                        logger.info("%s: split %r of its splits %s", path.resolve(), key, splits)
                     data = data[key]
                     break
             else:
+                if splits:  # not 'train' whatever split is asked: a benchmark was scored on its training rows
+                    raise MissingSplit(f"{path.resolve()}: the JSON object has the splits {splits}, not {split!r}")
                 raise DataError(f"{path.resolve()}: a JSON object needs a list under '{split}', 'data' or 'rows'")
         if not isinstance(data, list):
             raise DataError(f"{path.resolve()}: expected a list of records")
@@ -758,9 +765,10 @@ def heldout_name(spec: Any) -> str:
 
 def benchmark_rows(spec: Any, source: str):
     """Rows of one benchmark: 'heldout' -> the held-out rows of spec.data (eval_rows); 'synthetic' -> held-out
-    synthetic rows (those of the spec trained on the synthetic task); else a .parquet/.jsonl file, or a data set's
-    first split of test, validation, train (load_benchmark), cut to spec.eval_num_prompts rows. The spec's model
-    decides the system turn (none for 'tiny', the paper's prompt otherwise), as in training."""
+    synthetic rows (those of the spec trained on the synthetic task); else a .parquet/.jsonl/.json file of rows, or a
+    data set's (or a .json file of splits') first split of test, validation, train (load_benchmark), cut to
+    spec.eval_num_prompts rows. The spec's model decides the system turn (none for 'tiny', the paper's prompt
+    otherwise), as in training."""
     if source == "heldout" or source == "synthetic" == spec.data:
         return eval_rows(spec)
     if source == "synthetic":
@@ -823,10 +831,9 @@ def eval_rows(spec: Any):
 
 def load_benchmark(source: str, limit: int | None = None, system_prompt: str | None = None,
                    splits: Sequence[str] = ("test", "validation", "train")):
-    """A benchmark's rows: a file as it is; a dataset folder or HF name (NAME[:CONFIG]) from the first of `splits`
-    it has (MATH-500 has only 'test', some AIME sets only 'train'); a MissingSplit (a DataError) where it has none."""
-    if Path(source).expanduser().is_file():
-        return load_rows(source, limit=limit, system_prompt=system_prompt, for_hints=False)
+    """A benchmark's rows: a file of rows as it is; a dataset folder or HF name (NAME[:CONFIG]), or a .json file of
+    splits ({"train": [...], "test": [...]}), from the first of `splits` it has (MATH-500 has only 'test', some AIME
+    sets only 'train'); a MissingSplit (a DataError) where it has none."""
     missing: list[MissingSplit] = []
     for split in splits:
         try:

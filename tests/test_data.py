@@ -746,3 +746,34 @@ def test_a_blank_answer_cell_takes_the_solutions_last_box(tmp_path, caplog):
     with pytest.raises(data.DataError, match=r"rows.jsonl: row 1 has no 'answer' .*or only a blank one, and no "
                                              r"'solution' with a \\boxed\{\} answer"):
         load_rows(str(path))
+
+
+def test_a_json_file_of_splits_gives_the_split_asked_and_a_benchmark_its_test_split(tmp_path, caplog):
+    """A .json file shaped {"train": [...], "test": [...]} is read as a data set's splits are: training takes its
+    'train' split, a benchmark its 'test' split (else 'validation', else 'train'), saying which where it has several;
+    a split it lacks is a MissingSplit naming those it has (it was read from 'train' whatever was asked, so a
+    benchmark was scored on the training rows)."""
+    def rows(name, n):
+        return [{"problem": f"{name} question {i}", "answer": str(i), "solution": "s"} for i in range(n)]
+
+    path = tmp_path / "splits.json"
+    path.write_text(json.dumps({"train": rows("train", 3), "test": rows("test", 2)}))
+    with caplog.at_level("INFO", logger="sage_core.data"):
+        bench = data.load_benchmark(str(path))
+    assert bench["problem"] == ["test question 0", "test question 1"]
+    assert "split 'test' of its splits ['train', 'test']" in caplog.text
+    assert load_rows(str(path))["problem"] == [f"train question {i}" for i in range(3)]
+    assert build_dataset(RunSpec(data=str(path), num_prompts=2))["problem"] == ["train question 0", "train question 1"]
+    with pytest.raises(data.MissingSplit, match=r"splits.json: the JSON object has the splits \['train', 'test'\], "
+                                                r"not 'validation'"):
+        load_rows(str(path), split="validation")
+    path.write_text(json.dumps({"train": rows("train", 1), "validation": rows("validation", 1)}))
+    assert data.load_benchmark(str(path))["problem"] == ["validation question 0"]
+    path.write_text(json.dumps({"train": rows("train", 1)}))  # only 'train' (some AIME sets): that one
+    assert data.load_benchmark(str(path))["problem"] == ["train question 0"]
+    path.write_text(json.dumps({"dev": rows("dev", 1)}))
+    with pytest.raises(data.MissingSplit, match=r"no 'test' or 'validation' or 'train' split for evaluation .*the "
+                                                r"splits \['dev'\]"):
+        data.load_benchmark(str(path))
+    path.write_text(json.dumps({"data": rows("data", 1)}))  # rows under 'data' (or a list): no splits, the rows
+    assert data.load_benchmark(str(path))["problem"] == ["data question 0"]
