@@ -200,6 +200,24 @@ ID_ALIASES = ("prompt_id", "id", "index", "unique_id")
 PLACEHOLDER_ANSWERS = ("proof", "notfound")
 
 
+# DAPO-Math-17k's user turn: its problem inside an instruction to end the reply with a line 'Answer: ...'
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
+               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+
+def unwrap_dapo(text: str) -> str:
+    """The bare problem of a prompt that is DAPO-Math-17k's instruction wrapper around it (DAPO_PREFIX, the problem,
+    DAPO_SUFFIX, exactly); any other text as it is. The wrapper asks for a last line 'Answer: ...', while the reward
+    (sage_core.reward) reads the reply's last \\boxed{} and the system prompt (prompts.SYSTEM_PROMPT) asks for one:
+    kept, it told the policy two formats at once, and replies that followed the wrapper scored 0."""
+    if text.startswith(DAPO_PREFIX) and text.endswith(DAPO_SUFFIX):
+        problem = text[len(DAPO_PREFIX):len(text) - len(DAPO_SUFFIX)].strip()
+        if problem:
+            return problem
+    return text
+
+
 def strip_boxed(answer: str) -> str:
     """'\\boxed{9}' -> '9' (only when the whole string is one box); anything else unchanged (stripped)."""
     s = answer.strip().strip("$").strip()
@@ -522,7 +540,7 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
             raise DataError(f"{source}: missing column 'answer' (or {', '.join(ANSWER_ALIASES[1:])}, or a 'solution' "
                              f"that ends in \\boxed{{answer}}); columns found: {columns}")
         boxed_in_solution = True
-    rows, at, no_solution, gsm8k, blank_boxed = [], [], 0, 0, 0
+    rows, at, no_solution, gsm8k, blank_boxed, dapo = [], [], 0, 0, 0, 0
     placeholders: dict[str, list[int]] = {}  # placeholder answer -> the rows left out for it
     for i, r in enumerate(records, first_row):
         prompt = r.get("prompt")
@@ -538,6 +556,11 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
         except (KeyError, TypeError) as e:
             raise DataError(f"{source}: row {i}: 'prompt' must be a string or a list of {{role, content}} messages, "
                             f"got {str(prompt)[:80]!r}") from e
+        unwrapped = [{**m, "content": unwrap_dapo(m["content"])} if m["role"] == "user" else m for m in chat]
+        if has_problem and isinstance(problem, str):
+            problem = unwrap_dapo(problem)
+        if unwrapped != chat:
+            dapo, chat = dapo + 1, unwrapped
         users = [m["content"] for m in chat if m["role"] == "user"]
         if problem is None:
             if not users:
@@ -619,6 +642,9 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
                     "follows ####, the rationale the solution where the row has none", source, gsm8k, len(rows))
     if boxed_in_solution:
         logger.info("%s: no answer column: each gold answer is its solution's last \\boxed{}", source)
+    if dapo:
+        logger.info("%s: %d prompts are DAPO's instruction to end with a line 'Answer: ...' around a problem: the "
+                    "problem alone is asked (the reward reads the reply's last \\boxed{})", source, dapo)
     if blank_boxed:
         logger.info("%s: %d rows have a blank answer: their gold answer is their solution's last \\boxed{}", source,
                     blank_boxed)

@@ -777,3 +777,27 @@ def test_a_json_file_of_splits_gives_the_split_asked_and_a_benchmark_its_test_sp
         data.load_benchmark(str(path))
     path.write_text(json.dumps({"data": rows("data", 1)}))  # rows under 'data' (or a list): no splits, the rows
     assert data.load_benchmark(str(path))["problem"] == ["data question 0"]
+
+
+def test_dapo_math_prompts_are_unwrapped_to_the_bare_problem(tmp_path):
+    """DAPO-Math-17k's user turn wraps the problem in an instruction to end with a line 'Answer: ...', while the reward
+    reads the last \\boxed{} and the system prompt asks for one: the policy is asked the bare problem. Only that exact
+    wrapper is removed; other text around a problem stays."""
+    wrapped = ("Solve the following math problem step by step. The last line of your response should be of the form "
+               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\nWhat is $1 + 1$?\n\n"
+               "Remember to put your answer on its own line after \"Answer:\".")
+    dapo = {"data_source": "math_dapo", "prompt": [{"role": "user", "content": wrapped}], "ability": "MATH",
+            "reward_model": {"ground_truth": "2", "style": "rule-lapse"}, "extra_info": {"index": "a1"}}
+    other = wrapped.replace('"Answer:".', '"Answer:", and you do not need to use a \\boxed command.')
+    records = [dapo, {"prompt": [{"role": "user", "content": other}], "reward_model": {"ground_truth": "3"},
+                      "extra_info": {"index": "a2"}},
+               {"problem": wrapped.replace("1 + 1", "2 + 2"), "answer": "4", "id": "a3"}]
+    path = tmp_path / "dapo.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    with pytest.warns(UserWarning, match="answer-free"):
+        rows = load_rows(str(path), system_prompt=prompts.SYSTEM_PROMPT)
+    assert rows[0]["prompt"] == prompts.chat("What is $1 + 1$?", prompts.SYSTEM_PROMPT)
+    assert (rows[0]["problem"], rows[0]["answer"], rows[0]["prompt_id"]) == ("What is $1 + 1$?", "2", "a1")
+    assert rows[1]["prompt"][-1]["content"] == rows[1]["problem"] == other  # not DAPO's wrapper: as it is
+    assert rows[2]["prompt"] == prompts.chat("What is $2 + 2$?", prompts.SYSTEM_PROMPT)
+    assert rows[2]["problem"] == "What is $2 + 2$?"
