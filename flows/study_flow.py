@@ -26,6 +26,10 @@ of the same seed (mean, min, max). The study run is the same for any list of see
 key, as are the fields set per variant; `match_budget` and `benchmarks` are in it): a later call trains only the
 variants and seeds not finished before, and its tables cover every variant and seed the study holds (what earlier
 calls finished too; the newest complete run of each), ordered by seed.
+
+A study of other `benchmarks` is another study with children of its own: its variants train again in folders of
+its own (train_flow.folder_label) and are scored in runs of their own, never in the other study's runs (whose eval
+table names a benchmark by its name, not its file).
 """
 
 from __future__ import annotations

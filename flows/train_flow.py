@@ -10,6 +10,8 @@ the same MLflow run.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Literal
 
 import numpy as np
@@ -63,12 +65,26 @@ def run_training(spec: RunSpec, *, experiment: str, label: str, benchmarks: dict
     """The body of `sage-train` (also the per-variant body of `hint-study`). Returns the run's result row."""
     # the lock is on the spec's own folder (a forced run's: its fresh one), taken before folder_for looks at it:
     # two flow runs that would each be given a fresh folder (run_dir holds another spec) wait for each other too
-    base = run_dir(experiment, label, spec, fresh=force)
+    name = folder_label(label, benchmarks, parent_run_id)
+    base = run_dir(experiment, name, spec, fresh=force)
     with run_folder_lock(base, label, get_run_logger()):  # a second flow run of this spec waits, then finds it done
-        out = base if force else folder_for(experiment, label, spec)
+        out = base if force else folder_for(experiment, name, spec)
         return _run_training_locked(spec, out, experiment=experiment, label=label, benchmarks=benchmarks,
                                     evaluate_before=evaluate_before, evaluate_after=evaluate_after, force=force,
                                     launcher=launcher, parent_run_id=parent_run_id, variant=variant, preset=preset)
+
+
+def folder_label(label: str, benchmarks: dict[str, str] | None, parent_run_id: str | None) -> str:
+    """The name a run's folder is made of (run_dir: with the spec's key after it): the label, and for a study's child
+    with benchmark files a hash of them, as the study's key has. The folder's `mlflow_run_id` is the run a flow
+    reopens, and two studies that differ only in their benchmarks (two study runs) gave their variants one folder:
+    the second study reopened the first's child, still the first study's, scored it in the first study's eval table
+    (a benchmark of the same name, another file, was taken as scored) and never found it finished under its own
+    study run. Each study's children are its own (a study of other files trains its variants again); a sage-train
+    without a parent shares its folder across benchmarks, evaluating a finished run on the ones it lacks."""
+    if parent_run_id is None or not benchmarks:
+        return label
+    return f"{label}-b{hashlib.sha256(json.dumps(sorted(benchmarks.items())).encode()).hexdigest()[:8]}"
 
 
 def _run_training_locked(spec, out, *, experiment, label, benchmarks, evaluate_before, evaluate_after, force,

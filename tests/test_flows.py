@@ -1010,3 +1010,30 @@ def test_a_study_refuses_what_it_cannot_run_before_making_any_run(prefect_harnes
     with pytest.raises(FileNotFoundError, match=r"benchmark 'a': .*nowhere\.jsonl does not exist"):
         hint_study(**kw, benchmarks={"a": str(tmp_path / "nowhere.jsonl")})
     assert tracking.find_runs("t-refuse") == [] and "trained" not in stubbed_train
+
+
+
+def test_studies_of_other_benchmarks_keep_their_own_children(prefect_harness, stubbed_train, monkeypatch):
+    """Two studies that differ only in their benchmark files are two study runs, but their children's run folders
+    were keyed by label and spec alone: the second study reopened the first's child through the folder (its MLflow
+    parent stayed the first study), took the first study's 'before' score of a benchmark of the same name (another
+    file) as its own, and found nothing finished under its own run on a re-run, so it trained and evaluated again
+    every time. Each study's children are its own: trained and scored once, each study's scores in its own runs."""
+    import flows.study_flow as sf
+
+    monkeypatch.setattr(sf, "resolve_benchmarks", lambda spec, b: None)  # the files are the stub's
+    kw = {"preset": "tiny-cpu", "methods": ["grpo"], "experiment": "t-two", "max_steps": 1, "eval_k": 2}
+    first = hint_study(**kw, benchmarks={"a": "one.jsonl"})
+    second = hint_study(**kw, benchmarks={"a": "two.jsonl"})
+    assert stubbed_train["evals"] == [("before", ["a"], 2), ("after", ["a"], 2)] * 2  # B's own 'before' too
+    studies = {r.data.tags["sage.study_key"]: r.info.run_id for r in tracking.find_runs("t-two", kind="study")}
+    assert len(studies) == 2 and first[0]["run_id"] != second[0]["run_id"]
+    for row in (first, second):
+        (child,) = tracking.find_runs("t-two", kind="train", parent_run_id=tracking.client().get_run(
+            row[0]["run_id"]).data.tags["mlflow.parentRunId"])
+        assert child.info.run_id == row[0]["run_id"] and tracking.is_complete(child)
+        assert _pairs(child.info.run_id) == [("after", "a", 2), ("before", "a", 2)]
+    trained, evals = stubbed_train["trained"], len(stubbed_train["evals"])
+    assert hint_study(**kw, benchmarks={"a": "two.jsonl"})[0]["run_id"] == second[0]["run_id"]
+    assert hint_study(**kw, benchmarks={"a": "one.jsonl"})[0]["run_id"] == first[0]["run_id"]
+    assert stubbed_train["trained"] == trained and len(stubbed_train["evals"]) == evals  # found finished, each
