@@ -288,13 +288,47 @@ def train_task(spec: RunSpec, output_dir: str, run_id: str, label: str, launcher
     return res
 
 
+def model_files(model_ref: str, gguf_file: str | None = None) -> str:
+    """What the model's name leaves out, for the eval cache's key: each file of a local model (its folder, or its
+    file) by path, size and mtime (stat calls, nothing read), 'tiny' and 'smollm2' as the files they load; the commit
+    the hub cache resolves an HF id to now; '' where neither is known (a model not cached yet). A model folder
+    written again under its path (another export, a rebuilt tiny model) scored its old 'before' for 7 days."""
+    from sage_core.models import ModelNotFound, smollm2_gguf, tiny_model_cached
+
+    if model_ref == "tiny":
+        path = tiny_model_cached()
+    elif model_ref == "smollm2":
+        try:
+            path = smollm2_gguf()
+        except ModelNotFound:
+            return ""
+    else:
+        path = Path(model_ref).expanduser()
+    if path is not None and path.exists():
+        files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+        if gguf_file and path.is_dir():
+            files = [f for f in files if f.name == gguf_file or f.suffix.lower() != ".gguf"]
+        stats = [(str(f.relative_to(path)) if path.is_dir() else f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                 for f in files]
+        return hashlib.sha256(repr(stats).encode()).hexdigest()[:16]
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(model_ref, "config.json")
+    except Exception:  # noqa: BLE001 - not a hub id ('org/name' with odd characters): nothing known of it
+        return ""
+    return Path(hit).parent.name if isinstance(hit, str) else ""  # .../snapshots/<commit>/config.json
+
+
 @task(name="evaluate", retries=1, retry_delay_seconds=10, retry_condition_fn=is_transient,
       cache_policy=(INPUTS - "label") + TASK_SOURCE, persist_result=True, cache_expiration=timedelta(days=7),
       task_run_name="evaluate-{label}")
 def evaluate_task(model_ref: str, benchmarks: dict[str, Any], k: int, temperature: float, top_p: float,
                   max_new_tokens: int, use_vllm: bool, seed: int = 0, gguf_file: str | None = None,
-                  label: str = "model", code: str = "") -> list[dict]:
-    """No-hint avg@k / pass@k of `model_ref` on each benchmark (rows: benchmark, k, avg_at_k, pass_at_k, n_prompts)."""
+                  label: str = "model", code: str = "", files: str = "") -> list[dict]:
+    """No-hint avg@k / pass@k of `model_ref` on each benchmark (rows: benchmark, k, avg_at_k, pass_at_k, n_prompts).
+    Cached by every input but `label`: the model's name and its `files` (model_files), the benchmarks' rows, the
+    sampling settings and the code's version."""
     from sage_core.evaluate import evaluate
 
     logger = get_run_logger()
@@ -325,9 +359,14 @@ def eval_table(rows: list[dict], spec: RunSpec) -> pd.DataFrame:
 
 def run_eval(model_ref: str, benchmarks: dict[str, Any], spec: RunSpec, label: str, cache: bool,
              gguf_file: str | None = None) -> list[dict]:
-    """Evaluate through the task; `cache=False` for models that may change under the same name (checkpoints)."""
-    t = evaluate_task if cache else evaluate_task.with_options(cache_policy=NO_CACHE, persist_result=False)
-    return t(model_ref, benchmarks, label=label, code=code_version(), gguf_file=gguf_file, **eval_settings(spec))
+    """Evaluate through the task; `cache=False` for models that may change under the same name (checkpoints). A
+    cached result is one of the same model files (model_files), benchmark rows and settings."""
+    if cache:
+        t, files = evaluate_task, model_files(model_ref, gguf_file)
+    else:
+        t, files = evaluate_task.with_options(cache_policy=NO_CACHE, persist_result=False), ""
+    return t(model_ref, benchmarks, label=label, code=code_version(), gguf_file=gguf_file, files=files,
+             **eval_settings(spec))
 
 
 # ----------------------------------------------------------------------------------------------- result rows

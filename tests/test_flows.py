@@ -1037,3 +1037,42 @@ def test_studies_of_other_benchmarks_keep_their_own_children(prefect_harness, st
     assert hint_study(**kw, benchmarks={"a": "two.jsonl"})[0]["run_id"] == second[0]["run_id"]
     assert hint_study(**kw, benchmarks={"a": "one.jsonl"})[0]["run_id"] == first[0]["run_id"]
     assert stubbed_train["trained"] == trained and len(stubbed_train["evals"]) == evals  # found finished, each
+
+
+def test_the_cached_before_eval_is_taken_again_when_what_decides_it_changed(prefect_harness, tmp_path, monkeypatch):
+    """The 'before' evaluation is cached through Prefect (one per starting model, shared by a study's variants):
+    its key is every input that decides the score. Another k, temperature or benchmark file is scored again, and so
+    is a model folder written again under its path (it was served the old folder's score for 7 days)."""
+    from prefect import flow
+
+    import sage_core.evaluate as ev
+
+    calls = []
+
+    def fake_evaluate(model_ref, benches, k, temperature, **kw):
+        calls.append((k, temperature, sorted(benches)))
+        return pd.DataFrame([{"benchmark": b, "k": k, "avg_at_k": 0.5, "pass_at_k": 0.5, "n_prompts": 1}
+                             for b in benches])
+
+    monkeypatch.setattr(ev, "evaluate", fake_evaluate)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    spec = RunSpec(model=str(model), eval_k=2)
+
+    @flow
+    def before(spec: RunSpec, benches: dict) -> None:
+        common.run_eval(spec.model, benches, spec, label="before", cache=True)
+
+    before(spec, {"a": [{"x": 1}]})
+    before(spec, {"a": [{"x": 1}]})
+    assert len(calls) == 1  # the same: cached
+    before(spec.model_copy(update={"eval_k": 4}), {"a": [{"x": 1}]})
+    before(spec.model_copy(update={"eval_temperature": 1.0}), {"a": [{"x": 1}]})
+    before(spec, {"a": [{"x": 2}]})
+    assert len(calls) == 4
+    (model / "model.safetensors").write_bytes(b"other weights")  # the folder written again
+    before(spec, {"a": [{"x": 1}]})
+    before(spec, {"a": [{"x": 1}]})
+    assert calls[4:] == [(2, spec.eval_temperature, ["a"])]
