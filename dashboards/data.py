@@ -204,7 +204,8 @@ def _metrics_until(c, r, last: int | None) -> dict:
 
 @st.cache_data(ttl=SEARCH_TTL, show_spinner=False)
 def runs(uri: str, experiment_id: str) -> pd.DataFrame:
-    """All active runs of an experiment, newest first, with the SAGE tags flattened."""
+    """All active runs of an experiment, newest first, with the SAGE tags flattened; `end_time` NaT while a run is
+    RUNNING (a resumed run's is its earlier attempt's)."""
     c = client(uri)
     found, token = [], None
     while True:
@@ -226,7 +227,10 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
             "run_id": r.info.run_id, "run_name": r.info.run_name or t.get("mlflow.runName", r.info.run_id[:8]),
             "experiment_id": r.info.experiment_id, "status": r.info.status,
             "start_time": pd.to_datetime(r.info.start_time, unit="ms", utc=True) if r.info.start_time else pd.NaT,
-            "end_time": pd.to_datetime(r.info.end_time, unit="ms", utc=True) if r.info.end_time else pd.NaT,
+            # none while RUNNING: a run reopened (resumed) keeps its earlier attempt's end, which MLflow's
+            # update_run cannot clear; its duration, and the caches keyed by its end, would be that attempt's
+            "end_time": pd.to_datetime(r.info.end_time, unit="ms", utc=True)
+            if r.info.end_time and r.info.status != "RUNNING" else pd.NaT,
             "kind": t.get("sage.kind", ""),
             "method": "study" if study else t.get("sage.method", p.get("sage.method", "")),
             "hint_source": "" if study else t.get("sage.hint_source", p.get("sage.hint_source", "")),

@@ -158,6 +158,32 @@ def test_runs_page_while_every_run_is_still_running(monkeypatch, tmp_path):
     assert set(table["status"]) == {"RUNNING"} and table["minutes"].isna().all()
 
 
+def test_a_reopened_running_run_shows_no_end_of_its_earlier_attempt(monkeypatch, tmp_path):
+    """A run resumed by a flow or `sage train` is RUNNING again, but MLflow keeps the end time of its earlier attempt
+    (update_run cannot clear it): the runs page showed that attempt's duration as the live run's. A RUNNING run has
+    no end in the runs frame, so no duration, as a run in its first attempt."""
+    from mlflow.tracking import MlflowClient
+
+    from dashboards import data as D
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = MlflowClient(uri)
+    exp = c.create_experiment("reopened")
+    rid = c.create_run(exp, run_name="grpo", tags={"sage.kind": "train", "sage.method": "grpo"},
+                       start_time=1_700_000_000_000).info.run_id
+    c.set_terminated(rid, "KILLED", end_time=1_700_000_600_000)  # the first attempt: 10 minutes
+    c.update_run(rid, status="RUNNING")  # what tracking.open_run does to resume it
+    assert c.get_run(rid).info.end_time == 1_700_000_600_000  # MLflow keeps it
+    run = D.runs(uri, exp).set_index("run_id").loc[rid]
+    assert run["status"] == "RUNNING" and pd.isna(run["end_time"])
+    table = _frame(_ok(_app(monkeypatch, uri).run()), "run_id").set_index("run_id")
+    assert table.loc[rid, "status"] == "RUNNING" and pd.isna(table.loc[rid, "minutes"])
+    c.set_terminated(rid, "FINISHED", end_time=1_700_001_200_000)  # ended again: 20 minutes since its start
+    D.runs.clear()
+    table = _frame(_ok(_app(monkeypatch, uri).run()), "run_id").set_index("run_id")
+    assert table.loc[rid, "minutes"] == 20.0
+
+
 def test_a_run_resumed_and_ended_again_is_read_again(tmp_path):
     """A FINISHED run trained on (more max_steps) ends FINISHED again: its history and tracker are read again, not
     served from the cache of its first end."""
