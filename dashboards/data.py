@@ -7,8 +7,9 @@ Caching policy
 - experiment list / run search: ``st.cache_data(ttl=...)`` so a live run shows up without a restart;
 - metric histories: ttl for RUNNING runs, no ttl for finished ones (the status is part of the choice);
 - tracker files: one frame per run, aggregated with pyarrow from ``tracker/step_*.parquet`` and cached by
-  ``(run_id, number of tracker files, end time)``: a live run adds files, which changes the key; a finished run is
-  read once per end (a resumed run that ends again is read again).
+  ``(run_id, number of tracker files, their sizes and mtimes and the run's end)`` (``files_key``): a live run adds
+  files, and a resumed run rewrites the steps it trains again under their names (live, or ended again), which
+  changes the key; the listing and its stat calls are read again every LIVE_TTL seconds.
   Only the light columns are loaded for the whole run, each file's kept in memory (``_light_tables``, by file
   size and mtime), so a live run's new step reads one file; the heavy ones (completions, hints) are read for one
   prompt on demand, from just the step files that prompt appears in, and the problem texts from each prompt's
@@ -18,6 +19,7 @@ Caching policy
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -26,7 +28,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, unquote, urlparse
 from urllib.request import url2pathname
@@ -382,9 +384,33 @@ def _list_tracker(uri: str, run_id: str, artifact_uri: str) -> dict[str, int | N
 
 
 @st.cache_data(ttl=LIVE_TTL, show_spinner=False)
+def tracker_listing(uri: str, run_id: str, artifact_uri: str) -> list[tuple[str, int | None, int | None]]:
+    """The run's tracker files, sorted by step, as (name, size, mtime in ns): a local store's from stat calls, a
+    remote one's from the listing (its size; no mtime). What the per-prompt caches are keyed by (files_key)."""
+    listing = _list_tracker(uri, run_id, artifact_uri)
+    local = local_artifact_dir(artifact_uri)
+    if local is None:
+        return [(n, size, None) for n, size in listing.items()]
+    out = []
+    for n in listing:
+        try:
+            s = os.stat(local / TRACKER_DIR / n)
+        except FileNotFoundError:  # gone since listed (a resume discarding steps past its checkpoint)
+            continue
+        out.append((n, s.st_size, s.st_mtime_ns))
+    return out
+
+
 def tracker_files(uri: str, run_id: str, artifact_uri: str) -> list[str]:
     """Names of the run's tracker files (``step_000001.parquet``, ...), sorted by step."""
-    return list(_list_tracker(uri, run_id, artifact_uri))
+    return [n for n, _, _ in tracker_listing(uri, run_id, artifact_uri)]
+
+
+def files_key(files, ended: str = "") -> str:
+    """A cache key of tracker files as `tracker_listing` gives them (names, sizes, mtimes) and of the run's end
+    (`ended`, _end_key): a live run adds files, and a resumed one rewrites the steps it trains again under their
+    names (their number unchanged, its end not yet there: MLflow keeps the earlier attempt's), which changes it."""
+    return ended + ":" + hashlib.sha256(repr(list(files)).encode()).hexdigest()[:16]
 
 
 def _tracker_folder(uri: str, run_id: str, artifact_uri: str, files: dict[str, int | None]) -> Path:
@@ -553,13 +579,13 @@ def _in_order(df: pd.DataFrame) -> bool:
 
 
 @st.cache_data(show_spinner="Reading the per-prompt tracker ...", max_entries=4)
-def tracker_frame(uri: str, run_id: str, artifact_uri: str, n_files: int, ended: str = "") -> pd.DataFrame:
+def tracker_frame(uri: str, run_id: str, artifact_uri: str, n_files: int, files: str = "") -> pd.DataFrame:
     """The light tracker columns of every step of a run, one row per (step, prompt), as one frame.
 
-    Cached by (run_id, n_files, ended): a new step file of a live run changes the key, an ended run is read once
-    per end (`ended`, its end time: a resumed run that trained its last steps again, under the same file names,
-    ends again later). Few entries: a live run's earlier keys never come back, and a miss reads only the files not
-    in the per-file cache (`_light_tables`).
+    Cached by (run_id, n_files, files): `files` is the files' key (Context.files_key: their sizes and mtimes, and
+    the run's end), so a new step file of a live run, or a step a resumed run trains again under its file's name,
+    changes it. Few entries: a live run's earlier keys never come back, and a miss reads only the files not in the
+    per-file cache (`_light_tables`).
     """
     folder, names = _run_files(uri, run_id, artifact_uri, n_files)
     if not names:
@@ -569,9 +595,9 @@ def tracker_frame(uri: str, run_id: str, artifact_uri: str, n_files: int, ended:
 
 @st.cache_data(show_spinner=False, max_entries=32)
 def prompt_detail(uri: str, run_id: str, artifact_uri: str, n_files: int, prompt_id: str,
-                  steps: tuple[int, ...], ended: str = "") -> pd.DataFrame:
+                  steps: tuple[int, ...], files: str = "") -> pd.DataFrame:
     """Every tracker row (all columns) of one prompt, reading (and fetching) only the step files it appears in.
-    Cached by `ended` too, as tracker_frame: a resumed run that ends again has rewritten its steps' files."""
+    Cached by the files' key too, as tracker_frame: a resumed run rewrites the files of the steps it trains again."""
     def of_steps(names: list[str]) -> list[str]:
         by_step = {int(TRACKER_RE.match(n).group(1)): n for n in names}
         return [by_step[s] for s in steps if s in by_step] or names
@@ -584,9 +610,9 @@ def prompt_detail(uri: str, run_id: str, artifact_uri: str, n_files: int, prompt
 
 
 @st.cache_data(show_spinner=False, max_entries=4)
-def prompt_texts(uri: str, run_id: str, artifact_uri: str, n_files: int, ended: str = "") -> pd.DataFrame:
+def prompt_texts(uri: str, run_id: str, artifact_uri: str, n_files: int, files: str = "") -> pd.DataFrame:
     """prompt_id -> problem, answer (first time each prompt appears: its first file, its first row there); cached
-    by `ended` too, as tracker_frame.
+    by the files' key too, as tracker_frame.
 
     The first file of each prompt comes from the light tables' prompt ids, so only those files are read for text
     (a 3000-step run of 10k prompts: about 50 files), not every file of the run.
@@ -836,14 +862,29 @@ class Context:
     experiment_name: str
     runs: pd.DataFrame  # all runs of the experiment
     selected: list[str]  # run ids picked in the sidebar
+    _files: dict[str, tuple[int, str]] = field(default_factory=dict, repr=False)  # tracker_state, per rerun
 
     def run(self, run_id: str) -> pd.Series:
         return self.runs.set_index("run_id").loc[run_id]
 
-    def ended(self, run_id: str) -> str:
-        """The run's end time as a cache key ("" while it has none): what is computed from its tracker files is
-        cached by (run id, number of files, this), so a run resumed and ended again is read again."""
-        return _end_key(self.run(run_id).get("end_time"))
+    def tracker_state(self, run_id: str) -> tuple[int, str]:
+        """(number of the run's tracker files the pages read, their files_key): the files up to an ended run's last
+        step (sorted last: [:n] leaves the others out), keyed by their sizes and mtimes and the run's end. Taken once
+        per rerun (the context is built for each), so the frame and what the pages compute of it share one key."""
+        if run_id not in self._files:
+            r = self.run(run_id)
+            listing = tracker_listing(self.uri, run_id, r["artifact_uri"])
+            last = r.get("last_step")
+            if last is not None and not pd.isna(last):
+                listing = listing[:sum(int(TRACKER_RE.match(f[0]).group(1)) <= last for f in listing)]
+            self._files[run_id] = (len(listing), files_key(listing, _end_key(r.get("end_time"))))
+        return self._files[run_id]
+
+    def files_key(self, run_id: str) -> str:
+        """The key of what is computed from the run's tracker files, cached by (run id, number of files, this): a
+        resumed run rewrites the steps it trains again under their names, live (its number of files unchanged, no
+        new end) or ended again, and they are read again."""
+        return self.tracker_state(run_id)[1]
 
     def label(self, run_id: str) -> str:
         r = self.run(run_id)
@@ -888,9 +929,5 @@ def pick_run_with_tracker(ctx: Context, key: str) -> tuple[str, pd.DataFrame, in
 
 
 def tracker_for(ctx: Context, run_id: str) -> tuple[pd.DataFrame, int]:
-    r = ctx.run(run_id)
-    names = tracker_files(ctx.uri, run_id, r["artifact_uri"])
-    last = r.get("last_step")  # files past an ended run's last step (sorted last): [:n] leaves them out
-    n = len(names) if last is None or pd.isna(last) else sum(int(TRACKER_RE.match(x).group(1)) <= last
-                                                             for x in names)
-    return tracker_frame(ctx.uri, run_id, r["artifact_uri"], n, ctx.ended(run_id)), n
+    n, key = ctx.tracker_state(run_id)
+    return tracker_frame(ctx.uri, run_id, ctx.run(run_id)["artifact_uri"], n, key), n

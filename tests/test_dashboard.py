@@ -335,6 +335,58 @@ def test_per_prompt_pages_of_a_run_resumed_and_ended_again_show_its_new_files(mo
     assert "trained on level **2**" in at.markdown[1].value
 
 
+def test_per_prompt_pages_of_a_live_resumed_run_show_the_steps_it_trains_again(monkeypatch, tmp_path):
+    """A run killed after step 2, resumed from its start, is RUNNING and trains steps 1-2 again: it rewrites their
+    tracker files under the same names (the same number of files) and has no new end yet. The per-prompt pages
+    showed the killed attempt's steps until the run passed step 2 (their caches were keyed by the number of files
+    and the end): they show the rewritten files once the listing is read again (LIVE_TTL)."""
+    from dashboards import data as D
+
+    try:
+        from tests.dashboard_fixtures import _experiment, _store, make_prompts, tracker_step
+    except ImportError:
+        from dashboard_fixtures import _experiment, _store, make_prompts, tracker_step
+
+    uri, client = _store(tmp_path)
+    exp = _experiment(client, tmp_path, "live-again")
+    rid = client.create_run(exp, run_name="resumed", tags={"sage.kind": "train", "sage.method": "sage"}).info.run_id
+    folder = D.local_artifact_dir(client.get_run(rid).info.artifact_uri) / "tracker"
+    folder.mkdir(parents=True)
+    prompts, rng = make_prompts(4), np.random.default_rng(0)
+
+    def write(step: int, level: int, k: int) -> None:  # every prompt all-0 without a hint, trained at `level`
+        df = tracker_step(prompts, step, 4, "sage", rng)
+        df["base_pass_rate"], df["base_state"], df["pass_rate"] = 0.0, "all0", k / 4
+        df["level"], df["max_level_tried"], df["rescued"] = level, level, 0 < k < 4
+        df["acc_l1"], df["acc_l2"], df["acc_l3"] = np.nan, np.nan, np.nan
+        df["rewards"] = [[1.0] * k + [0.0] * (4 - k)] * len(df)
+        df.to_parquet(folder / f"step_{step:06d}.parquet", index=False)
+
+    for step in (1, 2):
+        write(step, level=1, k=0)  # the killed attempt: hinted at level 1, never solved
+    client.set_terminated(rid, "KILLED", end_time=1_700_000_000_000)
+    at = _ok(_app(monkeypatch, uri).run())
+    _ok(at.switch_page(PAGES["levels"]).run())
+    assert _metrics(at)["Never solved"] == "4"
+    _ok(at.switch_page(PAGES["explorer"]).run())
+    assert "trained on level **1**" in at.markdown[1].value
+
+    client.update_run(rid, status="RUNNING")  # resumed from its start: live, no step trained again yet
+    D.runs.clear()
+    _ok(at.switch_page(PAGES["levels"]).run())
+    assert _metrics(at)["Never solved"] == "4"
+    _ok(at.switch_page(PAGES["explorer"]).run())
+    assert "trained on level **1**" in at.markdown[1].value
+    for step in (1, 2):
+        write(step, level=2, k=2)  # the steps trained again: rescued at level 2
+    D.tracker_listing.clear()  # the listing is read again LIVE_TTL seconds later
+    _ok(at.switch_page(PAGES["levels"]).run())
+    assert _metrics(at)["Never solved"] == "0"
+    _ok(at.switch_page(PAGES["explorer"]).run())
+    assert _metrics(at)["Rescued groups"] == "8" and _frame(at, "rescued")["rescued"].sum() == 8
+    assert "trained on level **2**" in at.markdown[1].value
+
+
 # ------------------------------------------------------------------------------------------------ a real run
 
 

@@ -15,9 +15,9 @@ run_id, frame, n_files = D.pick_run_with_tracker(ctx, "explorer_run")
 r = ctx.run(run_id)
 
 
-# keyed as the frame (n_files, ended: a run resumed and ended again): a live run's older keys never come back
+# keyed as the frame (n_files, files: the files' sizes and mtimes): a live run's older keys never come back
 @st.cache_data(show_spinner=False, max_entries=4)
-def _collapsed_table(run_id: str, n_files: int, ended: str, _frame: pd.DataFrame) -> pd.DataFrame:
+def _collapsed_table(run_id: str, n_files: int, files: str, _frame: pd.DataFrame) -> pd.DataFrame:
     coll = D.collapsed_mask(_frame)
     ids = _frame.loc[coll, "prompt_id"].astype(str).unique()
     summ = D.prompt_summary(_frame)
@@ -32,9 +32,9 @@ def _collapsed_table(run_id: str, n_files: int, ended: str, _frame: pd.DataFrame
     return out.sort_values(["all0", "collapsed", "prompt_id"], ascending=[False, False, True]).reset_index(drop=True)
 
 
-ended = ctx.ended(run_id)
-table = _collapsed_table(run_id, n_files, ended, frame)
-texts = D.prompt_texts(ctx.uri, run_id, r["artifact_uri"], n_files, ended)
+files = ctx.files_key(run_id)
+table = _collapsed_table(run_id, n_files, files, frame)
+texts = D.prompt_texts(ctx.uri, run_id, r["artifact_uri"], n_files, files)
 table = table.merge(texts[["prompt_id", "problem"]], on="prompt_id", how="left")
 
 c1, c2, c3, c4 = st.columns(4)
@@ -85,7 +85,7 @@ st.divider()
 pid = st.selectbox("Prompt", list(view["prompt_id"]), key="explorer_prompt")
 row = table.set_index("prompt_id").loc[pid]
 steps = tuple(int(s) for s in frame.loc[frame["prompt_id"] == pid, "step"])
-detail = D.prompt_detail(ctx.uri, run_id, r["artifact_uri"], n_files, pid, steps, ended)
+detail = D.prompt_detail(ctx.uri, run_id, r["artifact_uri"], n_files, pid, steps, files)
 if detail.empty:
     st.warning(f"No tracker rows for `{pid}`.")
     st.stop()

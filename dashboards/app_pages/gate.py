@@ -104,13 +104,13 @@ if G is None:
 n_bins = st.slider("Pass-rate bins", 4, 20, 10, key="gate_bins")
 
 
-# keyed as the frame (run, files, end): binning a 5000-step run's frame took 2.7 s at each rerun (a slider move)
+# keyed as the frame (run, files, their key): binning a 5000-step run's frame took 2.7 s at each rerun (a slider move)
 @st.cache_data(show_spinner=False, max_entries=8)
-def _bins(run_id: str, n_files: int, ended: str, G: int, n_bins: int, _frame: pd.DataFrame) -> pd.DataFrame:
+def _bins(run_id: str, n_files: int, files: str, G: int, n_bins: int, _frame: pd.DataFrame) -> pd.DataFrame:
     return D.gate_open_bins(_frame, G, n_bins)
 
 
-bins = _bins(run_id, n_files, ctx.ended(run_id), int(G), n_bins, frame)
+bins = _bins(run_id, n_files, ctx.files_key(run_id), int(G), n_bins, frame)
 if bins.empty:
     st.info("No no-hint groups to bin: the method hinted before rolling out (sage-light, `base_state == 'na'`) "
             "or every prompt was seen only once.")

@@ -16,21 +16,21 @@ st.title("Per-prompt hint levels")
 run_id, frame, n_files = D.pick_run_with_tracker(ctx, "levels_run")
 
 
-# keyed as the frame (n_files, ended: a run resumed and ended again): a live run's older keys never come back
+# keyed as the frame (n_files, files: the files' sizes and mtimes): a live run's older keys never come back
 @st.cache_data(show_spinner=False, max_entries=4)
-def _summary(run_id: str, n_files: int, ended: str, _frame: pd.DataFrame) -> pd.DataFrame:
+def _summary(run_id: str, n_files: int, files: str, _frame: pd.DataFrame) -> pd.DataFrame:
     return D.prompt_summary(_frame)
 
 
 @st.cache_data(show_spinner=False, max_entries=4)
-def _level_share(run_id: str, n_files: int, ended: str, _frame: pd.DataFrame) -> pd.DataFrame:
+def _level_share(run_id: str, n_files: int, files: str, _frame: pd.DataFrame) -> pd.DataFrame:
     share = _frame.groupby(["step", "level"], observed=True).size().rename("n").reset_index()
     share["share"] = share["n"] / share.groupby("step")["n"].transform("sum")
     return share
 
 
-ended = ctx.ended(run_id)
-summary = _summary(run_id, n_files, ended, frame)
+files = ctx.files_key(run_id)
+summary = _summary(run_id, n_files, files, frame)
 c1, c2, c3, c4, c5 = st.columns(5)
 c1.metric("Prompts", len(summary))
 c2.metric("Steps", int(frame["step"].nunique()))
@@ -40,7 +40,7 @@ c4.metric("Never solved", int(summary["never_solved"].sum()),
 c5.metric("Never solved without a hint", int(summary["never_solved_no_hint"].sum()),
           help="prompts whose no-hint groups never had a correct completion")
 
-share = _level_share(run_id, n_files, ended, frame)
+share = _level_share(run_id, n_files, files, frame)
 st.altair_chart(alt.Chart(share).mark_area().encode(
     x=D.step_x(), y=alt.Y("share:Q", stack="normalize", title="share of groups"),
     color=alt.Color("level:O", scale=alt.Scale(domain=[0, 1, 2, 3], range=LEVEL_COLORS), title="hint level"),
