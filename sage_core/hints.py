@@ -182,9 +182,32 @@ def _cardinal(words: list[str]) -> int | None:
     return total + current
 
 
+# A sign in words: "negative" always; "minus" where it cannot be a subtraction, i.e. not after an operand (a number in
+# digits or in words, a single letter, a LaTeX symbol as \\pi, a closing bracket, a percent sign), as the sign "-" is
+# read only where it cannot be one: "the answer is minus seven" and "x = minus 7" are -7, "ten minus seven", "12 minus
+# 7", "x minus 7" and "x^2 minus 7" are not.
+_SIGN_WORD = re.compile(r"\b(negative|minus)\s+(?=\.?\d|\\[dt]?frac)", re.IGNORECASE)  # before digits (words: below)
+_OPERAND = re.compile(rf"(?:[\d)\]}}%]|(?<![A-Za-z\\])[A-Za-z]|\\[A-Za-z]+"
+                      rf"|\b(?:{_CARDINAL}|{'|'.join(_DENOMINATORS)})s?)\s*$", re.IGNORECASE)
+
+
+def _is_sign(text: str, m: re.Match) -> bool:
+    """Whether the "negative" or "minus" `m` found at its start in `text` is a sign (see _SIGN_WORD). An operand is a
+    short word: the 40 characters before are read, which keeps a long hint of many signs linear."""
+    return m[1].lower() == "negative" or _OPERAND.search(text[max(0, m.start() - 40):m.start()]) is None
+
+
+def _signed(hint: str) -> str | None:
+    """The hint with each sign in words before a number in digits written "-" ("is minus 3/4" is "is -3/4"), None
+    where it has none: the guard reads the hint both ways, as "negative five" is -5 and also 5."""
+    out = _SIGN_WORD.sub(lambda m: "-" if _is_sign(hint, m) else m[0], hint)
+    return out if out != hint else None
+
+
 def _word_values(text: str) -> set[Fraction]:
     """The values of the numbers `text` writes in words (see _WORD_NUMBER), each in every reading: "two thirds" is 2/3
-    and also 2, "negative five" is -5 and also 5; and digits before a scale word ("3 thousand" is 3000)."""
+    and also 2, "negative five" and "is minus five" are -5 and also 5 ("ten minus five" is 10 and 5: _is_sign); and
+    digits before a scale word ("3 thousand" is 3000)."""
     out: set[Fraction] = set()
     for m in _WORD_NUMBER.finditer(text):
         sign, body, denominator = m.group(1), m.group(2).lower(), m.group(3)
@@ -203,7 +226,7 @@ def _word_values(text: str) -> set[Fraction]:
             found = set() if article and words == ["one"] else {Fraction(value)}
             if denominator:
                 found.add(Fraction(value, _DENOMINATORS[denominator.lower()]))
-        if sign and sign.lower() == "negative":
+        if sign and _is_sign(text, m):
             found |= {-v for v in found}
         out |= found
     for m in _SCALED.finditer(text):  # digits and a scale word: "3 thousand" is 3000, "2.5 million" 2500000
@@ -291,16 +314,18 @@ def _quantities(hint: str) -> str:
 def leaks(hint: str, answer: str) -> bool:
     """True when the hint reveals the final answer: it contains a \\boxed{} answer, or the gold answer itself. A
     numeric answer is matched by value in any form a number is written in (9 and 9.0; 0.5, 1/2, \\frac{1}{2} and
-    50%; 5/2 and 2\\frac{1}{2}; 1234 and 1,234; 5\\text{ cm} as 5; forty-two, two thirds, negative five in words) as a
-    standalone number: "19" does not reveal 9, and "12 - 3" is a step, not the answer. Any other answer is matched
-    as text in one typesetting (spaces, $ and \\text{} wrappers dropped), as a token of its own where it starts or
-    ends with a letter or digit."""
+    50%; 5/2 and 2\\frac{1}{2}; 1234 and 1,234; 5\\text{ cm} as 5; forty-two, two thirds, negative five in words;
+    minus 5 as a sign) as a standalone number: "19" does not reveal 9, and "12 - 3" is a step, not the answer. Any
+    other answer is matched as text in one typesetting (spaces, $ and \\text{} wrappers dropped), as a token of its
+    own where it starts or ends with a letter or digit."""
     if "\\boxed" in hint:
         return True
     answer = str(answer)
     value = _answer_value(answer)
     if value is not None:
         found = _values(_quantities(hint)) | _word_values(hint)
+        if (signed := _signed(hint)) is not None:  # "minus 7" is -7, and also 7
+            found |= _values(_quantities(signed))
         return value in found or "%" in answer and value / 100 in found  # 17% is also 0.17
     ans = re.sub(r"\s", "", re.sub(_TEXT, r"\1", _clean(answer)))
     ans = re.sub(r"^\((\w)\)$", r"\1", ans)  # a choice: (C) is also written C

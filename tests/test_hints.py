@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import time
 
 import pytest
 
@@ -88,6 +89,17 @@ def req(pid="p1", level=3, answer="9"):
     ("ten minus five first", "-5", False),
     ("forty-two apples", "40", False),
     ("someone counts seventy-seven", "7", False),
+    # "minus" is a sign where it cannot be a subtraction (not after a number, a letter or a bracket), as "negative" is;
+    # a sign in words before digits too
+    ("the answer is minus seven", "-7", True),
+    ("so x = minus 7 here", "-7", True),
+    ("it comes to negative 7", "-7", True),
+    ("it comes to negative 7", "7", True),
+    ("it is minus 3/4 of it", "-0.75", True),
+    ("take ten minus seven first", "-7", False),
+    ("take 12 minus 7 first", "-7", False),
+    ("so x minus 7 is zero", "-7", False),
+    ("Factor x^2 minus 7 first.", "-7", False),
     # digits before a scale word are one number
     ("It is 3 thousand in all.", "3000", True),
     ("about 2 hundred coins", "200", True),
@@ -221,6 +233,14 @@ def req(pid="p1", level=3, answer="9"):
 ])
 def test_leak_guard(hint, answer, leak):
     assert leaks(hint, answer) is leak
+
+
+def test_leak_guard_reads_a_long_hint_of_many_signs_in_linear_time():
+    """Whether "minus" is a sign is read from the words just before it, not from the whole hint before it each time
+    (a teacher's hint may be long and repeat itself: 4,000 signs took about 20 s)."""
+    started = time.perf_counter()
+    assert leaks("minus 1 " * 4000, "-1") and not leaks("minus 1 " * 4000, "-2")
+    assert time.perf_counter() - started < 5
 
 
 def test_hinted_prompt_keeps_problem_and_adds_hint():
