@@ -20,6 +20,7 @@ import os
 import re
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -90,6 +91,19 @@ MINUS = "\u2212"  # the Unicode minus sign, as some models write -3: read as "-"
 PI = "\u03c0"  # as some models write \\pi
 INFINITY = "\u221e"  # as some models write \\infty
 _TEXT = r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"  # \text{cm}: words inside maths
+
+# Characters a hint may write a number with, as the guard reads them: a vulgar fraction (\u00bd, \u00be, \u2153, ...)
+# as \frac{1}{2} (so 2\u00bd is the mixed number 2\frac{1}{2}), the fraction slash as /. Not Unicode's NFKC, which
+# writes \u00bd as 1\u20442 (2\u00bd would read 21/2) and a superscript as its digit (3\u00b2 would read 32).
+_NORMAL = str.maketrans({
+    **{c: "\\frac{%s}{%s}" % tuple(unicodedata.normalize("NFKC", c).split("\u2044"))
+       for c in map(chr, [*range(0xBC, 0xBF), *range(0x2150, 0x215F), 0x2189])},  # \u215f is 1/ alone: not one
+    "\u2044": "/"})
+
+
+def _normal(s: str) -> str:
+    """`s` in the characters the leak guard reads (see _NORMAL)."""
+    return s.translate(_NORMAL)
 
 
 # A number in a hint or an answer: \frac{a}{b} (also \dfrac, \tfrac; a one-digit argument may go without braces, as
@@ -318,9 +332,9 @@ def leaks(hint: str, answer: str) -> bool:
     minus 5 as a sign) as a standalone number: "19" does not reveal 9, and "12 - 3" is a step, not the answer. Any
     other answer is matched as text in one typesetting (spaces, $ and \\text{} wrappers dropped), as a token of its
     own where it starts or ends with a letter or digit."""
+    hint, answer = _normal(hint), _normal(str(answer))
     if "\\boxed" in hint:
         return True
-    answer = str(answer)
     value = _answer_value(answer)
     if value is not None:
         found = _values(_quantities(hint)) | _word_values(hint)

@@ -72,6 +72,15 @@ def req(pid="p1", level=3, answer="9"):
     ("so it is 2\\tfrac13 in all", "\\frac{7}{3}", True),
     ("it takes 2\\frac{1}{2} hours", "2", True),
     ("so 2 3/2 in all", "3.5", False),
+    # a vulgar fraction character is that fraction (and one number, as \frac{1}{2} is), after a whole number a mixed one
+    ("eat \u00bd of the cake", "\\frac{1}{2}", True),
+    ("it is \u00be of it", "0.75", True),
+    ("so \u2153 of them", "1/3", True),
+    ("it takes 2\u00bd hours", "\\frac{5}{2}", True),
+    ("it takes 2 \u00bd hours", "2.5", True),
+    ("it is 1\u20442 of it", "0.5", True),
+    ("so \u2153 of them", "\\frac12", False),
+    ("eat \u00bd of the cake", "2", False),
     ("version 1.2.5", "0.5", False),
     # numbers in words: cardinals, fractions, a sign; "one" and "a" alone, ordinals and a number's parts are not it
     ("The answer is forty-two.", "42", True),
