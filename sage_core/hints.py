@@ -75,30 +75,32 @@ class HintContext:
 # ----------------------------------------------------------------------------------------------- leak guard
 def _clean(s: str) -> str:
     """Typesetting that does not change a LaTeX expression removed ($, \\left/\\right, thin spaces), \\dfrac and
-    \\tfrac written \\frac, the Unicode minus written -, \u03c0 written \\pi, \u221e written \\infty, an exponent or
-    subscript of one digit or letter unbraced (x^{2} is x^2), a root of one digit or letter
-    braced (\\sqrt3, \\sqrt 3 and \u221a3 are \\sqrt{3}; \u221a35 is \\sqrt{35}), whitespace collapsed:
-    the form answers and hints are compared in."""
+    \\tfrac written \\frac, \u03c0 written \\pi, \u221e written \\infty, an exponent or subscript of one digit or
+    letter unbraced (x^{2} is x^2), a root of one digit or letter braced (\\sqrt3, \\sqrt 3 and \u221a3 are
+    \\sqrt{3}; \u221a35 is \\sqrt{35}), whitespace collapsed: the form answers and hints are compared in (after
+    _normal)."""
     s = re.sub(r"\$|\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:!]", "", s)
-    s = re.sub(r"\\[dt]frac", r"\\frac", s).replace(MINUS, "-").replace(PI, "\\pi ").replace(INFINITY, "\\infty ")
+    s = re.sub(r"\\[dt]frac", r"\\frac", s).replace(PI, "\\pi ").replace(INFINITY, "\\infty ")
     s = re.sub(r"([\^_])\{\s*([0-9A-Za-z])\s*\}", r"\1\2", s)  # x^{2} is x^2, a_{1} is a_1
     s = re.sub(r"\\sqrt\s*([0-9]|[A-Za-z](?![A-Za-z]))", r"\\sqrt{\1}", s)  # LaTeX: \sqrt 35 is \sqrt{3}5
     s = re.sub(r"\u221a\s*(\d+|[A-Za-z](?![A-Za-z]))", r"\\sqrt{\1}", s)  # the sign: √35 is \sqrt{35}
     return re.sub(r"\s+", " ", s).strip().rstrip(".")
 
 
-MINUS = "\u2212"  # the Unicode minus sign, as some models write -3: read as "-"
 PI = "\u03c0"  # as some models write \\pi
 INFINITY = "\u221e"  # as some models write \\infty
 _TEXT = r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"  # \text{cm}: words inside maths
 
-# Characters a hint may write a number with, as the guard reads them: a vulgar fraction (\u00bd, \u00be, \u2153, ...)
-# as \frac{1}{2} (so 2\u00bd is the mixed number 2\frac{1}{2}), the fraction slash as /. Not Unicode's NFKC, which
-# writes \u00bd as 1\u20442 (2\u00bd would read 21/2) and a superscript as its digit (3\u00b2 would read 32).
+# Characters a hint may write a number with, as the guard reads them: the dashes models write as a minus (the minus
+# sign \u2212, the en dash \u2013, the figure dash, the small hyphen-minus) and as a hyphen (\u2010, and \u2011 as in
+# forty\u2011two) as -, where "12\u20133" stays 12 and 3 as "12-3" does (the em dash is punctuation: left as it is);
+# a vulgar fraction (\u00bd, \u00be, \u2153, ...) as \frac{1}{2} (so 2\u00bd is the mixed number 2\frac{1}{2}), the
+# fraction slash as /. Not Unicode's NFKC, which writes \u00bd as 1\u20442 (2\u00bd would read 21/2) and a
+# superscript as its digit (3\u00b2 would read 32).
 _NORMAL = str.maketrans({
     **{c: "\\frac{%s}{%s}" % tuple(unicodedata.normalize("NFKC", c).split("\u2044"))
        for c in map(chr, [*range(0xBC, 0xBF), *range(0x2150, 0x215F), 0x2189])},  # \u215f is 1/ alone: not one
-    "\u2044": "/"})
+    "\u2044": "/", **dict.fromkeys("\u2010\u2011\u2012\u2013\u2212\ufe63", "-")})
 
 
 def _normal(s: str) -> str:
@@ -306,13 +308,12 @@ def _drop_list_labels(hint: str) -> str:
 
 
 def _quantities(hint: str) -> str:
-    """The hint as the numeric leak check reads it: the Unicode minus written -, a spaced sign after = joined to
-    its number, LaTeX digit grouping written plainly
-    (10{,}000, 10,\\!000 and 10\\,000 are 10,000), and the numbers that name no quantity left out: exponents and
-    subscripts (x^2, 3^{4}, a_1), step numbers (Step 2:, **Step 2**, STEP 2., ### Step 2, after step 2), case and
-    part labels (Case 1:, Part 2.), the level a hint request names, as a hint's title echoes it (Level 2 hint:,
-    Hint (level 2):, Level 2 (medium):, as the request describes it), and list labels (1. Let n be ...)."""
-    h = _drop_list_labels(hint.replace(MINUS, "-"))
+    """The hint as the numeric leak check reads it: a spaced sign after = joined to its number, LaTeX digit grouping
+    written plainly (10{,}000, 10,\\!000 and 10\\,000 are 10,000), and the numbers that name no quantity left out:
+    exponents and subscripts (x^2, 3^{4}, a_1), step numbers (Step 2:, **Step 2**, STEP 2., ### Step 2, after step
+    2), case and part labels (Case 1:, Part 2.), the level a hint request names, as a hint's title echoes it (Level 2
+    hint:, Hint (level 2):, Level 2 (medium):, as the request describes it), and list labels (1. Let n be ...)."""
+    h = _drop_list_labels(hint)
     h = re.sub(r"(=\s*)-\s+(?=\.?\d|\\[dt]?frac)", r"\1-", h)  # x = - 5, x = - \frac{1}{2}: after =, a spaced minus
     # is a sign, not a subtraction
     h = re.sub(r"\{,\}", ",", h)

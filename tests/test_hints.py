@@ -239,6 +239,15 @@ def req(pid="p1", level=3, answer="9"):
     ("x = -3", "\u22123", True),
     ("12\u22123 first", "-3", False),
     ("The result is 3.", "\u22123", False),
+    # the en dash, figure dash and small hyphen-minus as a minus, the hyphens U+2010 and U+2011 as a hyphen
+    ("The result is \u20137.", "-7", True),
+    ("so x = \u2013 7 here", "-7", True),
+    ("x = \u20127", "-7", True),
+    ("it is \ufe637", "-7", True),
+    ("The answer is forty\u2011two.", "42", True),
+    ("so x is in (\u2013\u221e, 3]", "(-\\infty,3]", True),
+    ("read pages 3\u20137 first", "-7", False),
+    ("Level 2 \u2013 medium: start from 4.", "2", False),
 ])
 def test_leak_guard(hint, answer, leak):
     assert leaks(hint, answer) is leak
