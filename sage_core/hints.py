@@ -308,17 +308,24 @@ def _drop_list_labels(hint: str) -> str:
 
 
 def _quantities(hint: str) -> str:
-    """The hint as the numeric leak check reads it: a spaced sign after = joined to its number, LaTeX digit grouping
-    written plainly (10{,}000, 10,\\!000 and 10\\,000 are 10,000), and the numbers that name no quantity left out:
-    exponents and subscripts (x^2, 3^{4}, a_1), step numbers (Step 2:, **Step 2**, STEP 2., ### Step 2, after step
-    2), case and part labels (Case 1:, Part 2.), the level a hint request names, as a hint's title echoes it (Level 2
-    hint:, Hint (level 2):, Level 2 (medium):, as the request describes it), and list labels (1. Let n be ...)."""
+    """The hint as the numeric leak check reads it: a spaced sign after = joined to its number, digit grouping written
+    with commas (LaTeX's 10{,}000, 10,\\!000 and 10\\,000, and 10 000 with a space, are 10,000), and the numbers
+    that name no quantity left out: exponents and subscripts (x^2, 3^{4}, a_1), step numbers (Step 2:, **Step 2**,
+    STEP 2., ### Step 2, after step 2), case and part labels (Case 1:, Part 2.), the level a hint request names, as a
+    hint's title echoes it (Level 2 hint:, Hint (level 2):, Level 2 (medium):, as the request describes it), and list
+    labels (1. Let n be ...)."""
     h = _drop_list_labels(hint)
     h = re.sub(r"(=\s*)-\s+(?=\.?\d|\\[dt]?frac)", r"\1-", h)  # x = - 5, x = - \frac{1}{2}: after =, a spaced minus
     # is a sign, not a subtraction
     h = re.sub(r"\{,\}", ",", h)
-    h = re.sub(r"(?<=\d),?\\[,!;:]\s*(?=\d{3}(?!\d))", ",", h)
+    h = re.sub(r"(?<=\d),?\\[,!;: ]\s*(?=\d{3}(?!\d))", ",", h)
     h = re.sub(r"[\^_]\s*(?:\{[^{}]*\}|-?\d+(?:\.\d+)?)", "p", h)  # a letter: x^2-4 stays a subtraction
+    # digits grouped by a space (10 000; also the no-break, figure, thin and narrow no-break spaces of typesetting) as
+    # 10,000, and so also still as 10 and 000: groups of exactly three digits after a first of one to three, so "10
+    # 0000", "1234 567" and "10 000x" are no grouping; six groups at most, so "100 100 100 ..." repeated is no number
+    # of thousands of digits (which Python will not read)
+    h = re.sub(r"(?<![\w.,])\d{1,3}(?:[ \u00a0\u2007\u2009\u202f]\d{3}){1,6}(?!\w)",
+               lambda m: re.sub(r"\D", ",", m[0]), h)
     # a label (Step 2:, **Step 2**: in Markdown, ### Step 2, Step 2 - add, after step 2 you have), not 5 steps 20 times
     h = re.sub(r"\b(step)\s+\d+(?!\d|[.,]\d|/)", r"\1", h, flags=re.IGNORECASE)
     h = re.sub(r"\b(case|part)\s+\d+\s*(?=[*_]+|[:.),])", r"\1", h, flags=re.IGNORECASE)  # Case 1: n is even

@@ -164,6 +164,17 @@ def req(pid="p1", level=3, answer="9"):
     ("there are 10000 ways", "10{,}000", True),
     ("about 1,234 coins", "1{,}234", True),
     ("about 234 coins", "1{,}234", False),
+    # ... and with a space (also no-break, thin or narrow no-break), in groups of exactly three digits
+    ("there are 10 000 ways", "10000", True),
+    ("there are 10\u00a0000 ways", "10000", True),
+    ("there are 10\u2009000 ways", "10000", True),
+    ("there are 10\u202f000 ways", "10000", True),
+    ("so 1 000 000 in all", "1000000", True),
+    ("it is $10\\ 000$", "10000", True),
+    ("there are 10 000 ways", "10", True),
+    ("so 10 0000 here", "100000", False),
+    ("from 1234 567 on", "1234567", False),
+    ("add 10 and then 000", "10000", False),
     # numbers that name no quantity: exponents, subscripts, step numbers; a quantity beside them still counts
     ("Factor x^2-4 first.", "2", False),
     ("Use \\sin^2 x + \\cos^2 x = 1.", "2", False),
@@ -259,6 +270,12 @@ def test_leak_guard_reads_a_long_hint_of_many_signs_in_linear_time():
     started = time.perf_counter()
     assert leaks("minus 1 " * 4000, "-1") and not leaks("minus 1 " * 4000, "-2")
     assert time.perf_counter() - started < 5
+
+
+def test_leak_guard_reads_a_long_run_of_spaced_numbers_as_numbers_of_at_most_seven_groups():
+    """A repeated "100 100 100 ..." is read in numbers of at most seven groups, not as one number of 6,000 digits
+    (Python refuses to read an int of more than 4,300: a ValueError, not a verdict)."""
+    assert leaks("100 " * 2000, "100100100100100100100") and not leaks("100 " * 2000, "100100100100100100100100")
 
 
 def test_hinted_prompt_keeps_problem_and_adds_hint():
