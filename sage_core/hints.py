@@ -95,12 +95,16 @@ _TEXT = r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"  # \text{c
 # sign \u2212, the en dash \u2013, the figure dash, the small hyphen-minus) and as a hyphen (\u2010, and \u2011 as in
 # forty\u2011two) as -, where "12\u20133" stays 12 and 3 as "12-3" does (the em dash is punctuation: left as it is);
 # a vulgar fraction (\u00bd, \u00be, \u2153, ...) as \frac{1}{2} (so 2\u00bd is the mixed number 2\frac{1}{2}), the
-# fraction slash as /. Not Unicode's NFKC, which writes \u00bd as 1\u20442 (2\u00bd would read 21/2) and a
-# superscript as its digit (3\u00b2 would read 32).
+# fraction slash as /; the full-width forms (\uff11\uff12, \uff0d\uff17, \uff11\uff0f\uff12) as ASCII and the
+# ideographic space as a space; no character for the invisible ones (zero-width space, non-joiner and joiner, word
+# joiner, byte order mark, soft hyphen), which may stand inside a number (1\u200b2 is 12). Not Unicode's NFKC, which
+# writes \u00bd as 1\u20442 (2\u00bd would read 21/2) and a superscript as its digit (3\u00b2 would read 32).
 _NORMAL = str.maketrans({
     **{c: "\\frac{%s}{%s}" % tuple(unicodedata.normalize("NFKC", c).split("\u2044"))
        for c in map(chr, [*range(0xBC, 0xBF), *range(0x2150, 0x215F), 0x2189])},  # \u215f is 1/ alone: not one
-    "\u2044": "/", **dict.fromkeys("\u2010\u2011\u2012\u2013\u2212\ufe63", "-")})
+    "\u2044": "/", **dict.fromkeys("\u2010\u2011\u2012\u2013\u2212\ufe63", "-"),
+    **{c: c - 0xFEE0 for c in range(0xFF01, 0xFF5F)}, 0x3000: " ",
+    **dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff\u00ad")})
 
 
 def _normal(s: str) -> str:

@@ -259,6 +259,17 @@ def req(pid="p1", level=3, answer="9"):
     ("so x is in (\u2013\u221e, 3]", "(-\\infty,3]", True),
     ("read pages 3\u20137 first", "-7", False),
     ("Level 2 \u2013 medium: start from 4.", "2", False),
+    # full-width forms as ASCII, invisible characters (zero-width, word joiner, BOM, soft hyphen) as none
+    ("it is \uff11\uff12 in all", "12", True),
+    ("x = \uff0d\uff17", "-7", True),
+    ("it is \uff11\uff0f\uff12 of it", "0.5", True),
+    ("about \uff15\uff10\uff05 of them", "1/2", True),
+    ("it is 1\u200b2 in all", "12", True),
+    ("it is 1\u200c2\u200d3 in all", "123", True),
+    ("it is 1\u20602 in all", "12", True),
+    ("it is \ufeff1\u00ad2 in all", "12", True),
+    ("it is 1\u200b2 in all", "2", False),
+    ("so option \uff23 is right", "\\text{(C)}", True),
 ])
 def test_leak_guard(hint, answer, leak):
     assert leaks(hint, answer) is leak
