@@ -254,6 +254,26 @@ def _word_values(text: str) -> set[Fraction]:
     return out
 
 
+# A number in scientific notation: 1.2e1, 1.2E+1, 5e-1, and 1.2 \times 10^{1} (also \cdot, \u00d7, \u00b7, * or x, and
+# 10^1, 10\u00b9): read from the hint as written, as _quantities leaves exponents out. An exponent of at most three
+# digits (1e99999 is no hint's answer, and its value would take long to compute).
+_SUPERSCRIPT = str.maketrans("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b", "0123456789+-")
+_SCIENTIFIC = re.compile(
+    r"(?<![\w.])(-?(?:\d+(?:\.\d+)?|\.\d+))(?:[eE]([+-]?\d{1,3})(?!\w|\.\d)"
+    r"|\s*(?:\\times|\\cdot|[\u00d7\u00b7*]|(?<=\s)x(?=\s))\s*10\s*"
+    r"(?:\^\s*(?:\{\s*([+-]?\d{1,3})\s*\}|([+-]?\d{1,3})(?!\d))"
+    r"|([\u207a\u207b]?[\u2070\u00b9\u00b2\u00b3\u2074-\u2079]{1,3})(?![\u2070\u00b9\u00b2\u00b3\u2074-\u2079])))")
+
+
+def _scientific_values(text: str) -> set[Fraction]:
+    """The values of the numbers `text` writes in scientific notation (see _SCIENTIFIC): "1.2e1" is 12."""
+    out: set[Fraction] = set()
+    for m in _SCIENTIFIC.finditer(text):
+        exponent = next(e for e in m.groups()[1:] if e is not None).translate(_SUPERSCRIPT)
+        out.add(Fraction(m[1]) * Fraction(10) ** int(exponent))
+    return out
+
+
 def _answer_value(answer: str) -> Fraction | None:
     """The answer's value where the answer is one number (17, 9.0, 0.5, 1,234, 3/4, -\\frac{3}{4}, \\frac{-3}{4};
     also with LaTeX thin spaces, a percent sign, a degree sign (^\\circ, \\degree or the character \u00b0), an escaped
@@ -340,16 +360,17 @@ def _quantities(hint: str) -> str:
 def leaks(hint: str, answer: str) -> bool:
     """True when the hint reveals the final answer: it contains a \\boxed{} answer, or the gold answer itself. A
     numeric answer is matched by value in any form a number is written in (9 and 9.0; 0.5, 1/2, \\frac{1}{2} and
-    50%; 5/2 and 2\\frac{1}{2}; 1234 and 1,234; 5\\text{ cm} as 5; forty-two, two thirds, negative five in words;
-    minus 5 as a sign) as a standalone number: "19" does not reveal 9, and "12 - 3" is a step, not the answer. Any
-    other answer is matched as text in one typesetting (spaces, $ and \\text{} wrappers dropped), as a token of its
-    own where it starts or ends with a letter or digit."""
+    50%; 5/2 and 2\\frac{1}{2}; 1234 and 1,234; 1.2e1 and 1.2 \\times 10^1 as 12; 5\\text{ cm} as 5; forty-two, two
+    thirds, negative five in words; minus 5 as a sign) as a standalone number: "19" does not reveal 9, and "12 - 3"
+    is a step, not the answer. Any other answer is matched as text in one typesetting (spaces, $ and \\text{}
+    wrappers dropped), as a token of its own where it starts or ends with a letter or digit. Both are read after
+    _normal (a vulgar fraction, the full-width forms, the dashes and invisible characters)."""
     hint, answer = _normal(hint), _normal(str(answer))
     if "\\boxed" in hint:
         return True
     value = _answer_value(answer)
     if value is not None:
-        found = _values(_quantities(hint)) | _word_values(hint)
+        found = _values(_quantities(hint)) | _word_values(hint) | _scientific_values(hint)
         if (signed := _signed(hint)) is not None:  # "minus 7" is -7, and also 7
             found |= _values(_quantities(signed))
         return value in found or "%" in answer and value / 100 in found  # 17% is also 0.17

@@ -115,6 +115,16 @@ def req(pid="p1", level=3, answer="9"):
     ("a city of 2.5 million people", "2500000", True),
     ("it costs 4-thousand dollars", "4000", True),
     ("it is 3 thousand in all", "4000", False),
+    # scientific notation: e-notation, and times a power of 10 (the exponent is no quantity elsewhere)
+    ("so it is 1.2e1 in all", "12", True),
+    ("so it is 5E-1 of it", "1/2", True),
+    ("so it is 1.2 \\times 10^1 in all", "12", True),
+    ("so it is $3 \\cdot 10^{-2}$", "0.03", True),
+    ("a mass of 2.5 \u00d7 10\u00b3 kg", "2500", True),
+    ("so it is 1.2e1 in all", "1.2", True),
+    ("so it is 1.2e1 in all", "1", False),
+    ("compute 3 \\times 10 first", "30", False),
+    ("Factor 10^2 - 1 first.", "100", False),
     # any other answer as a substring, in the same typesetting: \dfrac is \frac, \left( is (, thin spaces go
     ("the angle is \\frac{\\pi}{4} here", "\\dfrac{\\pi}{4}", True),
     ("the point \\left(1, 2\\right)", "(1,2)", True),
