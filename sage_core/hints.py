@@ -140,10 +140,21 @@ _MIXED = re.compile(r"(?<![\w.,/])(-?)(\d+)\s*(?:\\[dt]?frac\s*(\{\s*\d+\s*\}|\d
 _PERCENT = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)\s*(?:\\?%|per\s*cent\b)", re.IGNORECASE)
 
 
+# A run of more digits than any answer has (100! has 158), plain or grouped by commas: Python reads no number of over
+# 4300 digits (a ValueError), and a hint that degenerates into digits must be rejected or passed, not stop the run
+_HUGE = re.compile(r"\d{1001,}|\d{1,3}(?:,\d{3}){334,}")
+
+
+def _no_huge(text: str) -> str:
+    """`text` with each number of over 1000 digits (_HUGE) written as "#", which is no number."""
+    return _HUGE.sub(" # ", text)
+
+
 def _values(text: str) -> set[Fraction]:
     """The values of the numbers written in `text`, each in every reading: "1/2" is 1/2 and also 1 and 2, "3,400" is
     3400 and also 3 and 400, "50%" is 50 and also 1/2, "2 1/2" is 2, 1/2 and also 5/2 (the guard rejects a hint on
-    any reading)."""
+    any reading). A number of over 1000 digits is none (_no_huge)."""
+    text = _no_huge(text)
     out: set[Fraction] = {Fraction(m[1]) / 100 for m in _PERCENT.finditer(text)}
     for m in _MIXED.finditer(text):
         num, den = (int(x.strip("{} ")) for x in ((m[3], m[4]) if m[3] is not None else (m[5], m[6])))
@@ -284,7 +295,7 @@ def _answer_value(answer: str) -> Fraction | None:
     a = re.sub(r"(?<=[\d}])" + _TEXT + r"(?:\^\{?\d\}?)?$", "", a)  # a unit: 5\text{cm}, 3\mathrm{m}^2
     a = re.sub("^" + _TEXT + "$", r"\1", a)  # \text{5}
     m = _NUMBER.fullmatch(re.sub(r"\\?%|\^\{?\\circ\}?|\u00b0|\\degree|\\(?=[\d-])", "", a))
-    return _value(m) if m is not None else None
+    return _value(m) if m is not None and _HUGE.search(a) is None else None  # a huge one: matched as text
 
 
 def _mentions(text: str, answer: str, alone: bool = False) -> bool:
@@ -365,12 +376,12 @@ def leaks(hint: str, answer: str) -> bool:
     is a step, not the answer. Any other answer is matched as text in one typesetting (spaces, $ and \\text{}
     wrappers dropped), as a token of its own where it starts or ends with a letter or digit. Both are read after
     _normal (a vulgar fraction, the full-width forms, the dashes and invisible characters)."""
-    hint, answer = _normal(hint), _normal(str(answer))
+    hint, answer = _normal(hint), _normal(str(answer))  # a number of over 1000 digits in the hint is none: _no_huge
     if "\\boxed" in hint:
         return True
     value = _answer_value(answer)
     if value is not None:
-        found = _values(_quantities(hint)) | _word_values(hint) | _scientific_values(hint)
+        found = _values(_quantities(hint)) | _word_values(_no_huge(hint)) | _scientific_values(_no_huge(hint))
         if (signed := _signed(hint)) is not None:  # "minus 7" is -7, and also 7
             found |= _values(_quantities(signed))
         return value in found or "%" in answer and value / 100 in found  # 17% is also 0.17

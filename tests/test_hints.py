@@ -299,6 +299,20 @@ def test_leak_guard_reads_a_long_run_of_spaced_numbers_as_numbers_of_at_most_sev
     assert leaks("100 " * 2000, "100100100100100100100") and not leaks("100 " * 2000, "100100100100100100100100")
 
 
+def test_leak_guard_gives_a_verdict_on_numbers_of_more_digits_than_python_reads():
+    """A hint (a teacher's, a degenerate self-hint) with a number of over 4,300 digits, plain, grouped by commas, the
+    decimals of a number or before a scale word, made leaks() raise Python's ValueError for an int that long, which
+    stopped the run. Such a number is no number now (no answer has 1,000 digits); what else the hint says is still
+    read, and an answer that long is matched as text."""
+    digits = "7" * 5000
+    for hint in (digits, ",".join(["100"] * 2000), "1." + digits, digits + "e1", digits + " thousand",
+                 "x = 1{,}" + "{,}".join(["000"] * 2000), "2 " + digits + "/3"):
+        assert leaks(hint, "8") is False, hint[:20]
+        assert leaks(f"it is 8, then {hint}", "8") is True, hint[:20]
+    assert leaks(f"so {digits} it is", digits) and not leaks("so 7 it is", digits)
+    assert leaks("1" * 200, "1" * 200) and not leaks("1" * 200, "1" * 199)  # a long answer (100! has 158 digits)
+
+
 def test_hinted_prompt_keeps_problem_and_adds_hint():
     p = hinted_problem("What is 2 + 3 ?", "Add .")
     assert p.startswith("What is 2 + 3 ?") and p.endswith("Add .") and "hint" in p
