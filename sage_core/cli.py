@@ -304,7 +304,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from .launch import RESULT_FILE
 
-    (out / RESULT_FILE).write_text(json.dumps(d, indent=2, default=repr))
+    # strict JSON, as summary.json: a NaN (nothing measured) in the summary, the log history or the eval records is
+    # null, which jq and JavaScript read (a bare NaN they refuse); the readers here (sage launch, the flows, log_summary
+    # and log_history through numeric_metrics) skip a null as they find no metric, which reads back as NaN
+    (out / RESULT_FILE).write_text(json.dumps(strict_json(d), indent=2, default=repr, allow_nan=False))
     brief = {k: d.get(k) for k in ("output_dir", "global_step", "wall_seconds")}
     print("sage train: done " + json.dumps(brief), flush=True)
     summary = d.get("summary")

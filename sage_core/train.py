@@ -16,6 +16,7 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from transformers import TrainerCallback, TrainerState
@@ -671,10 +672,17 @@ def shutdown_distributed() -> None:
             dist.destroy_process_group()
 
 
-def strict_json(summary: dict) -> dict:
-    """The summary as strict JSON takes it: a number that is not one (NaN: nothing measured) is null; Python's
-    json writes a bare NaN that jq, JavaScript and most other readers refuse."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+def strict_json(obj: Any) -> Any:
+    """`obj` (a summary, or train_result.json's dict with its log history and eval records) as strict JSON takes
+    it: a number that is not one (NaN: nothing measured) is null, in nested dicts and lists too; Python's json
+    writes a bare NaN that jq, JavaScript and most other readers refuse."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
 
 
 def summarize(history: list[dict], tracker) -> dict[str, float]:

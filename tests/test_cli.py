@@ -397,12 +397,17 @@ def test_train_calls_train_and_writes_result(capsys, tmp_path, monkeypatch):
 
 def test_train_prints_the_summary_as_summary_json_has_it(capsys, tmp_path, monkeypatch):
     """What `sage train` prints after `done` is the summary as summary.json holds it: a value not measured (NaN, e.g.
-    eval_avg_at_k without eval_every) is null, not a bare NaN that jq and other strict JSON readers refuse."""
+    eval_avg_at_k without eval_every) is null, not a bare NaN that jq and other strict JSON readers refuse; so is
+    train_result.json, NaNs of the log history and the eval records included."""
     import types
+
+    import pandas as pd
 
     def fake_train(spec, output_dir, callbacks=(), resume=True):
         return {"output_dir": str(output_dir), "global_step": 1,
-                "summary": {"reward": 0.5, "eval_avg_at_k": float("nan"), "activation_mb": float("inf")}}
+                "summary": {"reward": 0.5, "eval_avg_at_k": float("nan"), "activation_mb": float("inf")},
+                "log_history": [{"step": 1, "loss": float("nan"), "reward": 0.5}],
+                "eval": pd.DataFrame({"benchmark": ["a", "b"], "avg_at_k": [0.25, float("nan")]})}
 
     monkeypatch.setitem(sys.modules, "sage_core.train", types.SimpleNamespace(
         train=fake_train, shutdown_distributed=lambda: None, LayoutError=type("LayoutError", (ValueError,), {}),
@@ -415,6 +420,10 @@ def test_train_prints_the_summary_as_summary_json_has_it(capsys, tmp_path, monke
         raise ValueError(f"not strict JSON: {name}")
 
     assert json.loads(printed, parse_constant=refuse) == {"reward": 0.5, "eval_avg_at_k": None, "activation_mb": None}
+    saved = json.loads((tmp_path / "run" / "train_result.json").read_text(), parse_constant=refuse)
+    assert saved["summary"] == {"reward": 0.5, "eval_avg_at_k": None, "activation_mb": None}
+    assert saved["log_history"] == [{"step": 1, "loss": None, "reward": 0.5}]
+    assert saved["eval"] == [{"benchmark": "a", "avg_at_k": 0.25}, {"benchmark": "b", "avg_at_k": None}]
 
 
 def _fake_train(monkeypatch) -> dict:
