@@ -285,16 +285,22 @@ class LaunchPlan:
     server_cmd: list[str] | None = None
     server_env: dict[str, str] | None = field(default=None, repr=False)
     server_url: str | None = None
+    train_venv: Path | None = None  # $SAGE_TRAIN_VENV when the plan was made: both commands run activated in it
 
     def shell(self) -> str:
-        """The plan as shell lines a person can paste."""
+        """The plan as shell lines a person can paste, run as launch() runs them: with $SAGE_TRAIN_VENV set, its
+        bin first on the PATH of the shell they are pasted in, and VIRTUAL_ENV (_with_train_venv)."""
         import shlex
 
+        venv = ""
+        if self.train_venv is not None:
+            venv = (f"VIRTUAL_ENV={shlex.quote(str(self.train_venv))} "
+                    f"PATH={shlex.quote(str(self.train_venv / 'bin'))}:\"$PATH\" ")
         lines = []
         if self.server_cmd:
-            lines.append(f"CUDA_VISIBLE_DEVICES={','.join(map(str, self.layout.server_gpus))} "
+            lines.append(f"{venv}CUDA_VISIBLE_DEVICES={','.join(map(str, self.layout.server_gpus))} "
                          f"VLLM_SERVER_DEV_MODE=1 {shlex.join(self.server_cmd)} &")
-        lines.append(f"CUDA_VISIBLE_DEVICES={','.join(map(str, self.layout.train_gpus))} "
+        lines.append(f"{venv}CUDA_VISIBLE_DEVICES={','.join(map(str, self.layout.train_gpus))} "
                      f"{shlex.join(self.train_cmd)}")
         return "\n".join(lines)
 
@@ -394,7 +400,8 @@ def plan(spec: RunSpec, output_dir: str | os.PathLike, *, gpus: Sequence[GpuId] 
         server_env = vllm_server_env(layout.server_gpus, base)
     return LaunchPlan(layout=layout, spec=run_spec, spec_path=spec_path, output_dir=out, train_cmd=train_cmd,
                       train_env=train_env, server_cmd=server_cmd, server_env=server_env,
-                      server_url=run_spec.vllm_server_base_url if layout.mode == "server" else None)
+                      server_url=run_spec.vllm_server_base_url if layout.mode == "server" else None,
+                      train_venv=train_venv())
 
 
 def served_model(spec: RunSpec) -> str:

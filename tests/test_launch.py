@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -498,8 +499,33 @@ def test_train_venv_scripts_run_the_ranks_and_the_server(tmp_path, monkeypatch):
         assert env["PATH"] == f"{venv / 'bin'}:/usr/bin:/bin" and env["VIRTUAL_ENV"] == str(venv)
         assert env["A"] == "1"
     shell = p.shell().splitlines()
-    assert shell[0].startswith(f"CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 {venv}/bin/vllm serve ")
+    assert f"CUDA_VISIBLE_DEVICES=0 VLLM_SERVER_DEV_MODE=1 {venv}/bin/vllm serve " in shell[0]
     assert f"{venv}/bin/accelerate launch" in shell[1]
+
+
+def test_dry_run_lines_run_in_the_train_venv_as_launch_runs_them(tmp_path, monkeypatch):
+    """The lines `sage launch --dry-run` prints, pasted into a shell, start the ranks and the server with the
+    environment launch() gives them: $SAGE_TRAIN_VENV's bin first on PATH and VIRTUAL_ENV (they printed bare
+    CUDA_VISIBLE_DEVICES=..., so `ninja` and the rest came from whatever PATH the shell had)."""
+    venv = tmp_path / "venv gpu"  # a space: the printed line quotes it
+    _fake_bin(venv / "bin", "accelerate", "vllm")
+    for name in ("accelerate", "vllm"):  # each prints the environment it was started with
+        (venv / "bin" / name).write_text('#!/bin/sh\necho "$VIRTUAL_ENV|$PATH|$CUDA_VISIBLE_DEVICES"\n')
+    monkeypatch.setenv(L.TRAIN_VENV_ENV, str(venv))
+    env = {"PATH": "/usr/bin:/bin", "VIRTUAL_ENV": "/opt/venv"}
+    p = L.plan(preset("qwen2.5-7b", prompts_per_step=112), tmp_path / "run", gpus=list(range(8)),
+               vllm_mode="server", env=env)
+    server_line, train_line = p.shell().splitlines()
+    for line, run_env in ((server_line.removesuffix(" &"), p.server_env), (train_line, p.train_env)):
+        got = subprocess.run(["sh", "-c", line], env=env, capture_output=True, text=True, check=True).stdout
+        assert got.strip() == f"{run_env['VIRTUAL_ENV']}|{run_env['PATH']}|{run_env['CUDA_VISIBLE_DEVICES']}"
+    assert p.train_env["PATH"] == f"{venv / 'bin'}:/usr/bin:/bin"
+    monkeypatch.delenv(L.TRAIN_VENV_ENV)  # unset: the lines are as before, no PATH of their own
+    _fake_bin(tmp_path / "app" / "bin", "python", "accelerate", "vllm")
+    monkeypatch.setattr(L.sys, "executable", str(tmp_path / "app" / "bin" / "python"))
+    p = L.plan(preset("qwen2.5-7b", prompts_per_step=112), tmp_path / "run", gpus=list(range(8)),
+               vllm_mode="server", env=env)
+    assert all(line.startswith("CUDA_VISIBLE_DEVICES=") for line in p.shell().splitlines())
 
 
 def test_train_venv_without_the_script_is_an_error_naming_it(tmp_path, monkeypatch):
