@@ -137,6 +137,7 @@ class Try:
     logprobs: list | None
     rpf: torch.Tensor  # (G, n_reward_funcs)
     rewards: list[float]
+    extra: dict[str, list] = field(default_factory=dict)  # the reward functions' log_extra columns, one per rollout
 
 
 class SageGRPOTrainer(NoHintEval, GRPOTrainer):
@@ -419,14 +420,15 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         out = super()._generate(first_prompts)
         prompt_ids, completion_ids, _, completions, logprobs, extra, images, tool_images = out
         self._counts["gen_tokens"] += sum(len(c) for c in completion_ids)
-        rpf = self._score(rows, first_prompts, completions, completion_ids)
+        rpf = self._score(rows, first_prompts, completions, completion_ids, extra=(extra_cols := {}))
         tries: dict[str, list[Try]] = {}
         for pid, idx in groups:
             # the try keeps copies: _finalize writes a swapped-in prompt into the batch's own row dicts
             tries[pid] = [self._make_try(levels[pid], first_hint[pid], [dict(rows[i]) for i in idx],
                                          [prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
                                          [completions[i] for i in idx],
-                                         [logprobs[i] for i in idx] if logprobs is not None else None, rpf[idx])]
+                                         [logprobs[i] for i in idx] if logprobs is not None else None, rpf[idx],
+                                         {c: [v[i] for i in idx] for c, v in extra_cols.items()})]
         hint_log = {pid: _no_hint_log() for pid, _ in groups}
         for (pid, lvl), res in hints.items():
             _log_hint(hint_log[pid], lvl, res)
@@ -467,9 +469,10 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
             m[f"sage/{k}"].append(v)
         return new_ids, new_comp, None, new_completions, new_lp, extra, images, tool_images
 
-    def _make_try(self, level, hint, rows, prompt_ids, completion_ids, completions, logprobs, rpf) -> Try:
+    def _make_try(self, level, hint, rows, prompt_ids, completion_ids, completions, logprobs, rpf,
+                  extra=None) -> Try:
         rewards = (rpf * self.reward_weights.to(rpf.device)).nansum(dim=1).tolist()
-        return Try(level, hint, rows, prompt_ids, completion_ids, completions, logprobs, rpf, rewards)
+        return Try(level, hint, rows, prompt_ids, completion_ids, completions, logprobs, rpf, rewards, extra or {})
 
     def _look_ahead(self, chains: dict[str, list[Action]], tries: dict[str, list[Try]], width: int) -> None:
         """Extend each group's action with the ones the scheduler would take next if it fails again (SAGE: the
@@ -519,11 +522,12 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                 batch += [self._prompt(row, text)] * G
         ids, comp_ids, comps, lps = self._roll(batch)
         rows_flat = [p[4] for p in plan for _ in range(G)]
-        rpf = self._score(rows_flat, batch, comps, comp_ids) if batch else None
+        rpf = self._score(rows_flat, batch, comps, comp_ids, extra=(extra := {})) if batch else None
         for j, (pid, k, level, text, row, res) in enumerate(plan):
             s = slice(j * G, (j + 1) * G)
             made[pid][k] = (self._make_try(level, text, [row] * G, ids[s], comp_ids[s], comps[s],
-                                           lps[s] if lps is not None else None, rpf[s]), res)
+                                           lps[s] if lps is not None else None, rpf[s],
+                                           {c: v[s] for c, v in extra.items()}), res)
         self._counts["reroll_groups"] += len(plan)
         for pid, chain in chains.items():
             for k, (a, (t, res)) in enumerate(zip(chain, made[pid], strict=True)):
@@ -541,6 +545,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         G, n = self.num_generations, len(rows)
         ids, comp_ids, comps, lps = [None] * n, [None] * n, [None] * n, [None] * n
         weights, rpf = torch.ones(n), torch.zeros(n, len(self.reward_funcs))
+        extra: dict[str, list] = {}  # log_extra columns of the trained rows, for TRL's completions table
         self._selections, observed = {}, []
         for pid, idx in groups:
             ts = tries[pid]
@@ -552,6 +557,8 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                 ids[slot], comp_ids[slot], comps[slot] = t.prompt_ids[ri], t.completion_ids[ri], t.completions[ri]
                 lps[slot] = t.logprobs[ri] if t.logprobs is not None else None
                 rpf[slot], weights[slot] = t.rpf[ri], sel.weight
+                for c, v in t.extra.items():
+                    extra.setdefault(c, [None] * n)[slot] = v[ri]
                 if t.rows[ri]["prompt_id"] != rows[slot]["prompt_id"]:  # a swapped-in prompt replaces the row
                     rows[slot].clear()
                     rows[slot].update(t.rows[ri])
@@ -563,6 +570,8 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         # every process replays every group's outcome, so scheduler state stays identical across processes
         for pid, level, rewards, pilot in gather_object(observed):
             self.scheduler.observe(pid, level, rewards, pilot)
+        for c, v in extra.items():  # TRL's _calculate_rewards, which would have logged them, does not run this step
+            self._pending_extra_logs[c].extend(v)
         return ids, comp_ids, comps, (None if all(x is None for x in lps) else lps), weights, rpf
 
     # ------------------------------------------------------------------------------------------ pieces
@@ -578,14 +587,19 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         msgs[last]["content"] = hinted_problem(msgs[last]["content"], hint)
         return msgs
 
-    def _score(self, rows, prompts, completions, completion_ids) -> torch.Tensor:
-        """Rewards per function for local rows, with no cross-process gather."""
+    def _score(self, rows, prompts, completions, completion_ids, extra: dict | None = None) -> torch.Tensor:
+        """Rewards per function for local rows, with no cross-process gather. The reward functions get what TRL's
+        _calculate_rewards gives them: a scalar they log (log_metric) is TRL's, averaged over the step's scoring
+        passes (first rollout and re-rolls); the columns they log (log_extra, one value per row) go into `extra`,
+        which _finalize selects from for the trained rows (the completions table TRL logs), else nowhere."""
         rpf = torch.zeros(len(rows), len(self.reward_funcs))
         if not rows:
             return rpf
         keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
         kwargs = {k: [r.get(k) for r in rows] for k in keys}
-        kwargs.update(trainer_state=self.state, log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
+        cols: dict[str, list] = defaultdict(list)
+        kwargs.update(trainer_state=self.state, log_extra=lambda column, values: cols[column].extend(values),
+                      log_metric=self._log_metric)
         for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names, strict=True)):
             out = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
             if is_async_callable(func):  # on TRL's event loop, as TRL runs its async reward functions
@@ -595,6 +609,12 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                 raise ValueError(f"The reward function '{name}' returned {len(out)} rewards, but {len(rows)} were "
                                  "expected (one per prompt-completion pair)")
             rpf[:, i] = torch.tensor([torch.nan if r is None else float(r) for r in out])
+        for column, values in cols.items():
+            if len(values) != len(rows):
+                raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values, but {len(rows)} were expected "
+                                 "(one per prompt-completion pair, from one reward function)")
+        if extra is not None:
+            extra.update(cols)
         return rpf
 
     def _roll(self, prompts: list, kind: str = "reroll"):

@@ -583,7 +583,7 @@ def _scripted_sage(tiny_model_dir, out, lookahead: bool):
     trainer = build_trainer(spec, out)
     passes = []
 
-    def score(rows, prompts, completions, completion_ids):
+    def score(rows, prompts, completions, completion_ids, extra=None):
         rpf = torch.zeros(len(rows), 1)
         for i, (row, prompt) in enumerate(zip(rows, prompts)):
             text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
@@ -1278,6 +1278,45 @@ def test_re_rolls_are_scored_by_async_reward_functions_and_a_short_reward_list_i
     trainer.reward_funcs, trainer.reward_func_names = [one_short], ["one_short"]
     with pytest.raises(ValueError, match="'one_short' returned 2 rewards, but 3 were expected"):
         trainer._score(rows, [r["prompt"] for r in rows], comps, [[1]] * 3)
+
+    def short_column(completions, answer, log_extra, **kwargs):
+        log_extra("why", ["a", "b"])
+        return boxed_reward(completions, answer, **kwargs)
+
+    trainer.reward_funcs, trainer.reward_func_names = [short_column], ["short_column"]
+    with pytest.raises(ValueError, match=r"log_extra\('why', \.\.\.\) got 2 values, but 3 were expected"):
+        trainer._score(rows, [r["prompt"] for r in rows], comps, [[1]] * 3)
+
+
+def test_a_reward_functions_log_metric_and_log_extra_reach_the_logs_from_re_rolls(tiny_model_dir, tmp_path):
+    """The trainer scores the first rollout and the re-rolls itself (_score; TRL's _calculate_rewards does not run on
+    a SAGE step), and gives the reward functions what TRL gives them: a scalar they log_metric is averaged over the
+    step's scoring passes, as TRL averages its calls; a column they log_extra is the trained rows' (the completions
+    table's), taken from the try each row was picked from. Both were dropped (no-op callables)."""
+    spec = small("sage", num_prompts=4, prompts_per_step=4, max_steps=1, hint_source="teacher",
+                 teacher=str(tmp_path / "teacher.jsonl"), lookahead=False)
+    rows = list(build_dataset(spec))
+    write_hints(tmp_path / "teacher.jsonl", [(r["prompt_id"], lvl, f"use hint {WORDS[lvl]}") for r in rows
+                                             for lvl in WORDS])
+    trainer = build_trainer(spec, tmp_path)
+
+    def level_of(prompt):
+        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        return max([lvl for lvl, w in WORDS.items() if f"use hint {w}" in text], default=0)
+
+    def probe(prompts, completions, log_metric, log_extra, **kwargs):
+        levels = [level_of(p) for p in prompts]
+        log_metric("probe/hinted", sum(lvl > 0 for lvl in levels) / len(levels))
+        log_extra("probe_level", levels)
+        return [float(lvl >= 1 and i % 2 == 0) for i, lvl in enumerate(levels)]  # unsolved without a hint
+
+    trainer.reward_funcs, trainer.reward_func_names = [probe], ["probe"]
+    trainer.train()
+    # the first rollout (no hint: 0.0) collapses every group, the level-1 re-roll (1.0) opens them
+    assert metric(trainer, "sage/reroll_groups") == [4.0]
+    assert metric(trainer, "probe/hinted") == [0.5]
+    trained = list(trainer._logs["extra"]["probe_level"])
+    assert trained == [1] * 32 and len(trainer._logs["prompt"]) == 32  # the trained rows: the level-1 tries
 
 
 @pytest.mark.parametrize("content", ["", "[1", "{}"])
