@@ -165,6 +165,14 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
             raise ValueError("SageGRPOTrainer scores re-rolls locally: reward_funcs must be Python callables")
         if self.tools:
             raise ValueError("SageGRPOTrainer does not re-roll tool-calling rollouts; pass tools=None")
+        # TRL runs these for its one rollout of a batch; the re-rolls, the hints and the no-hint eval are generate
+        # calls of this trainer's own (_roll), which would bypass them: a step would mix the custom rollouts with
+        # plain ones, and an environment's get_reward would score re-rolls without their environments
+        if self.rollout_func is not None:
+            raise ValueError("SageGRPOTrainer generates its re-rolls and hints itself, without a rollout_func; pass "
+                             "rollout_func=None (or train with TRL's GRPOTrainer)")
+        if self.environment_factories is not None:
+            raise ValueError("SageGRPOTrainer does not re-roll rollouts in environments; pass environment_factory=None")
         self._rows: list[dict] | None = None
         self._final_rpf: torch.Tensor | None = None
         self._row_weights: torch.Tensor | None = None

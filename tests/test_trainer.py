@@ -1288,6 +1288,36 @@ def test_re_rolls_are_scored_by_async_reward_functions_and_a_short_reward_list_i
         trainer._score(rows, [r["prompt"] for r in rows], comps, [[1]] * 3)
 
 
+def test_a_rollout_func_or_environment_factory_is_refused_at_construction(tiny_model_dir, tmp_path, monkeypatch):
+    """TRL 1.16 runs a custom rollout_func (and an environment_factory's environments) for its one rollout of a batch;
+    SAGE's re-rolls, hints and no-hint eval are its own generate calls (_roll), which bypass both. They were accepted
+    silently, so a step mixed custom rollouts with plain ones; now the trainer refuses them, saying why."""
+    import trl.trainer.grpo_trainer as grpo
+
+    from sage_core.reward import boxed_reward
+    from sage_core.train import _trainer_inputs
+    from sage_core.trainer import SageGRPOTrainer
+
+    args, dataset, model, tokenizer = _trainer_inputs(small("sage"), tmp_path)
+
+    def rollout(prompts, trainer):
+        raise AssertionError("not run")
+
+    class Env:
+        def reset(self, **kwargs):
+            return None
+
+        def get_reward(self):
+            return 1.0
+
+    monkeypatch.setattr(grpo, "supports_tool_calling", lambda *a: True)  # the tiny model's template has no tools
+    for kw, says in (({"rollout_func": rollout}, "without a rollout_func; pass rollout_func=None"),
+                     ({"environment_factory": Env}, "in environments; pass environment_factory=None")):
+        with pytest.raises(ValueError, match=says):
+            SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
+                            processing_class=tokenizer, **kw)
+
+
 def test_a_reward_functions_log_metric_and_log_extra_reach_the_logs_from_re_rolls(tiny_model_dir, tmp_path):
     """The trainer scores the first rollout and the re-rolls itself (_score; TRL's _calculate_rewards does not run on
     a SAGE step), and gives the reward functions what TRL gives them: a scalar they log_metric is averaged over the
