@@ -205,6 +205,7 @@ class _Curation(Scheduler):
         self.objective = self._objective(weighting, objective)
         self.G = num_generations
         self.scale_rewards = scale_rewards
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
         self._reset_metrics()
 
@@ -218,6 +219,14 @@ class _Curation(Scheduler):
 
     def load_rng_state(self, state: dict) -> None:
         self.rng.bit_generator.state = state
+
+    def seed_process(self, rank: int) -> None:
+        """A generator of process `rank`'s own (the trainer calls this as it is built, before a resume loads the
+        checkpoint's state): each process finalizes its own groups, and with one seed on every process their picks
+        were the same draws wherever the pools had the same sizes. Rank 0 keeps `seed`'s, so a one-process run picks
+        as before; rank r > 0 draws from the seed sequence [seed, r]."""
+        if rank:
+            self.rng = np.random.default_rng([self.seed, rank])
 
     def _objective(self, weighting: str, objective: str | None) -> str:
         obj = weighting if weighting not in (None, "none") else (objective or self.default_objective)

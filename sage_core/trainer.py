@@ -156,6 +156,8 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                              f"advantages with scale_rewards={a.scale_rewards!r}"
                              f"{' (per group: normalize_then_sum)' if scaling != a.scale_rewards else ''}: build it "
                              f"with make_scheduler(..., scale_rewards={scaling!r})")
+        if hasattr(self.scheduler, "seed_process"):  # a pooled method's subset picks: a generator per process
+            self.scheduler.seed_process(self.accelerator.process_index)
         self.hint_source = hint_source or OnlineHints()
         self.tracker = PromptTracker(a.tracker_dir, write=self.accelerator.is_main_process)
         if a.sage_bucket_overhead is None:

@@ -338,6 +338,32 @@ def test_a_resumed_pool_picks_the_rows_of_the_straight_run(method):
     assert not hasattr(make_scheduler("sage-light"), "rng_state")  # no generator: nothing saved
 
 
+@pytest.mark.parametrize("method", ["ada-seq", "ada-est", "sage-light+ada-seq"])
+def test_each_process_picks_its_pools_subsets_with_a_generator_of_its_own(method):
+    """Each process finalizes its own groups: with the run's seed on every process, pools of the same sizes got the
+    same draws on every process. seed_process(rank) gives rank r > 0 a generator of its own; rank 0 keeps the seed's
+    (a one-process run picks as before), and a rank's state still saves and resumes as its own."""
+    import json
+
+    pool = [(0, [0.0] * 4), (0, [1.0, 0.0, 0.0, 0.0]), (0, [1.0, 1.0, 0.0, 0.0])]  # 12 rows: 3 pos, 9 neg
+    picks = {}
+    for rank in (None, 0, 1, 2):  # None: never told its rank (as before)
+        sched = make_scheduler(method, num_generations=4, seed=3)
+        if rank is not None:
+            sched.seed_process(rank)
+        picks[rank] = [sched.finalize(f"p{i}", pool).picks for i in range(6)]
+    assert picks[0] == picks[None]
+    assert picks[1] != picks[0] and picks[2] != picks[0] and picks[2] != picks[1]
+    straight = make_scheduler(method, num_generations=4, seed=3)
+    straight.seed_process(1)
+    straight.finalize("p0", pool)
+    saved = json.loads(json.dumps(straight.rng_state()))
+    resumed = make_scheduler(method, num_generations=4, seed=3)
+    resumed.seed_process(1)  # the trainer is built first, then restore_state loads the checkpoint's
+    resumed.load_rng_state(saved)
+    assert [resumed.finalize(f"p{i}", pool).picks for i in range(1, 6)] == picks[1][1:]
+
+
 def test_ada_est_matches_average_budget_and_never_stops_sequentially():
     rng = np.random.default_rng(1)
     s = AdaEst(max_rounds=4, avg_rounds=2.0)

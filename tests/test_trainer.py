@@ -1288,6 +1288,23 @@ def test_re_rolls_are_scored_by_async_reward_functions_and_a_short_reward_list_i
         trainer._score(rows, [r["prompt"] for r in rows], comps, [[1]] * 3)
 
 
+def test_the_trainer_gives_its_schedulers_generator_to_its_process(tiny_model_dir, tmp_path):
+    """A pooled method's subset picks are drawn on each process for its own groups: the trainer tells the scheduler
+    its process (seed_process, tests/test_curation.py), so processes do not repeat each other's draws."""
+    from sage_core.reward import boxed_reward
+    from sage_core.schedulers import make_scheduler
+    from sage_core.train import _trainer_inputs
+    from sage_core.trainer import SageGRPOTrainer
+
+    args, dataset, model, tokenizer = _trainer_inputs(small("ada-seq"), tmp_path)
+    told = []
+    sched = make_scheduler("ada-seq", num_generations=8, seed=3)
+    sched.seed_process = told.append
+    SageGRPOTrainer(model=model, reward_funcs=[boxed_reward], args=args, train_dataset=dataset,
+                    processing_class=tokenizer, scheduler=sched)
+    assert told == [0]
+
+
 def test_a_rollout_func_or_environment_factory_is_refused_at_construction(tiny_model_dir, tmp_path, monkeypatch):
     """TRL 1.16 runs a custom rollout_func (and an environment_factory's environments) for its one rollout of a batch;
     SAGE's re-rolls, hints and no-hint eval are its own generate calls (_roll), which bypass both. They were accepted
