@@ -496,11 +496,12 @@ def cmd_hints(args: argparse.Namespace) -> int:
     shas = {r["prompt_id"]: problem_sha(r["problem"]) for r in rows}
     teacher_model = args.teacher_model or spec.teacher_model
     me = teacher_label(teacher, teacher_model)
-    variants = read_hint_variants(partial) if partial.exists() else {}
+    records = read_records(str(partial), "hints")[0] if partial.exists() else []  # read once: it may be large
+    variants = read_hint_variants(partial, records) if records else {}
     # who wrote each hint there (None: a file written before hints were labelled, or by hand)
     by = {(str(r["prompt_id"]), int(r["level"]), None if _is_blank(r.get("problem_sha")) else str(r["problem_sha"])):
           None if _is_blank(r.get("teacher")) else str(r["teacher"])
-          for r in (read_records(str(partial), "hints")[0] if variants else ())}
+          for r in (records if variants else ())}
     done, redo = pick_hints({k: v for k, v in variants.items() if k[0] in shas}, shas, loose=False)
     redo = [k for k in redo if k[1] in levels]
     # every hint there for another problem (another spec's prompt ids, another problem_sha under this spec's ids):

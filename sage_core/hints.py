@@ -1054,14 +1054,16 @@ def read_hints(path: Path) -> dict[tuple[str, int], str]:
 HintVariants = dict[tuple[str, int], dict[str | None, str]]  # (prompt id, level) -> problem_sha or None -> hint
 
 
-def read_hint_variants(path: Path) -> HintVariants:
+def read_hint_variants(path: Path, records: list[dict] | None = None) -> HintVariants:
     """The hints of a hints file by (prompt id, level), each by the problem_sha its row carries (None: none). One
     file may hold hints for several problems under one prompt id (`sage hints` outputs of several specs joined:
     synthetic ids repeat across difficulties). Bad rows raise a DataError naming the row (counted from 0) or, for a
     line that is not JSON, the line (counted from 1); so do a null prompt id, a level of true/false, a hint that is not
     text (5, a list: it would be used as its repr) and two different hints for one prompt, level and problem. A null
-    or blank hint is a missing one (counted in a warning), never an empty hint that would be used."""
-    records, _ = read_records(str(path), "hints")  # .jsonl, .json or .parquet, with the data loader's errors
+    or blank hint is a missing one (counted in a warning), never an empty hint that would be used. `records`: the
+    file's rows where the caller has read them already (`sage hints` reads who wrote each one too), named by `path`."""
+    if records is None:
+        records, _ = read_records(str(path), "hints")  # .jsonl, .json or .parquet, with the data loader's errors
     out: HintVariants = {}
     blank = 0
     for i, rec in enumerate(records):

@@ -779,7 +779,19 @@ def test_sage_hints_writes_a_teachers_hints_file_that_a_stopped_run_resumes(monk
         assert len(partial) == 3 and ("syn-0-0", 3) not in partial and not out.exists()
         refuse_after[0] = 10**6
         asked = len(teacher.bodies)
+        from sage_core import data as data_mod
+        from sage_core import hints as hints_mod
+
+        reads, read_records = [], data_mod.read_records
+
+        def counted(path, *a, **k):
+            reads.append(str(path))
+            return read_records(path, *a, **k)
+
+        monkeypatch.setattr(data_mod, "read_records", counted)
+        monkeypatch.setattr(hints_mod, "read_records", counted)
         assert cli.main([*args, "--teacher", teacher.url]) == 0
+        assert reads.count(str(tmp_path / "teacher.partial.jsonl")) == 1  # read once (it was read twice)
         shown = capsys.readouterr().out
         assert "resuming: 3 hints already" in shown
         assert len(teacher.bodies) - asked == 12 - 3 + 4 * 2  # the rest; each leaked level-3 hint resampled twice
