@@ -289,10 +289,10 @@ def test_pages_stop_at_the_last_step_of_a_run_resumed_with_fewer_steps(monkeypat
     assert _metrics(at)["Steps"] == "2"  # the tracker files
 
 
-def test_per_prompt_pages_of_a_run_resumed_and_ended_again_show_its_new_files(monkeypatch, tmp_path):
-    """A run killed after step 2, resumed from an earlier checkpoint, trains steps 1-2 again and ends: it rewrote
-    their tracker files under the same names (the same number of files). The levels and explorer pages show the new
-    files: their summaries and a prompt's detail are cached by the run's end too, not by its number of files alone."""
+def _killed_run_of_two_steps(tmp_path, experiment: str):
+    """A sage run killed after step 2, every prompt all-0 without a hint and never solved at level 1: (store URI,
+    client, run id, write(step, level, k), which writes a step's tracker file again: trained at `level`, k of 4
+    rollouts solved)."""
     from dashboards import data as D
 
     try:
@@ -301,13 +301,13 @@ def test_per_prompt_pages_of_a_run_resumed_and_ended_again_show_its_new_files(mo
         from dashboard_fixtures import _experiment, _store, make_prompts, tracker_step
 
     uri, client = _store(tmp_path)
-    exp = _experiment(client, tmp_path, "ended-again")
+    exp = _experiment(client, tmp_path, experiment)
     rid = client.create_run(exp, run_name="resumed", tags={"sage.kind": "train", "sage.method": "sage"}).info.run_id
     folder = D.local_artifact_dir(client.get_run(rid).info.artifact_uri) / "tracker"
     folder.mkdir(parents=True)
     prompts, rng = make_prompts(4), np.random.default_rng(0)
 
-    def write(step: int, level: int, k: int) -> None:  # every prompt all-0 without a hint, trained at `level`
+    def write(step: int, level: int, k: int) -> None:
         df = tracker_step(prompts, step, 4, "sage", rng)
         df["base_pass_rate"], df["base_state"], df["pass_rate"] = 0.0, "all0", k / 4
         df["level"], df["max_level_tried"], df["rescued"] = level, level, 0 < k < 4
@@ -318,6 +318,16 @@ def test_per_prompt_pages_of_a_run_resumed_and_ended_again_show_its_new_files(mo
     for step in (1, 2):
         write(step, level=1, k=0)  # the killed attempt: hinted at level 1, never solved
     client.set_terminated(rid, "KILLED", end_time=1_700_000_000_000)
+    return uri, client, rid, write
+
+
+def test_per_prompt_pages_of_a_run_resumed_and_ended_again_show_its_new_files(monkeypatch, tmp_path):
+    """A run killed after step 2, resumed from an earlier checkpoint, trains steps 1-2 again and ends: it rewrote
+    their tracker files under the same names (the same number of files). The levels and explorer pages show the new
+    files: their summaries and a prompt's detail are cached by the run's end too, not by its number of files alone."""
+    from dashboards import data as D
+
+    uri, client, rid, write = _killed_run_of_two_steps(tmp_path, "ended-again")
     at = _ok(_app(monkeypatch, uri).run())
     _ok(at.switch_page(PAGES["levels"]).run())
     assert _metrics(at)["Never solved"] == "4"
@@ -342,29 +352,7 @@ def test_per_prompt_pages_of_a_live_resumed_run_show_the_steps_it_trains_again(m
     and the end): they show the rewritten files once the listing is read again (LIVE_TTL)."""
     from dashboards import data as D
 
-    try:
-        from tests.dashboard_fixtures import _experiment, _store, make_prompts, tracker_step
-    except ImportError:
-        from dashboard_fixtures import _experiment, _store, make_prompts, tracker_step
-
-    uri, client = _store(tmp_path)
-    exp = _experiment(client, tmp_path, "live-again")
-    rid = client.create_run(exp, run_name="resumed", tags={"sage.kind": "train", "sage.method": "sage"}).info.run_id
-    folder = D.local_artifact_dir(client.get_run(rid).info.artifact_uri) / "tracker"
-    folder.mkdir(parents=True)
-    prompts, rng = make_prompts(4), np.random.default_rng(0)
-
-    def write(step: int, level: int, k: int) -> None:  # every prompt all-0 without a hint, trained at `level`
-        df = tracker_step(prompts, step, 4, "sage", rng)
-        df["base_pass_rate"], df["base_state"], df["pass_rate"] = 0.0, "all0", k / 4
-        df["level"], df["max_level_tried"], df["rescued"] = level, level, 0 < k < 4
-        df["acc_l1"], df["acc_l2"], df["acc_l3"] = np.nan, np.nan, np.nan
-        df["rewards"] = [[1.0] * k + [0.0] * (4 - k)] * len(df)
-        df.to_parquet(folder / f"step_{step:06d}.parquet", index=False)
-
-    for step in (1, 2):
-        write(step, level=1, k=0)  # the killed attempt: hinted at level 1, never solved
-    client.set_terminated(rid, "KILLED", end_time=1_700_000_000_000)
+    uri, client, rid, write = _killed_run_of_two_steps(tmp_path, "live-again")
     at = _ok(_app(monkeypatch, uri).run())
     _ok(at.switch_page(PAGES["levels"]).run())
     assert _metrics(at)["Never solved"] == "4"
