@@ -308,8 +308,8 @@ def model_files(model_ref: str, gguf_file: str | None = None) -> str:
         files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
         if gguf_file and path.is_dir():
             files = [f for f in files if f.name == gguf_file or f.suffix.lower() != ".gguf"]
-        stats = [(str(f.relative_to(path)) if path.is_dir() else f.name, f.stat().st_size, f.stat().st_mtime_ns)
-                 for f in files]
+        stats = [(str(f.relative_to(path)) if path.is_dir() else f.name, st.st_size, st.st_mtime_ns)
+                 for f in files for st in [f.stat()]]
         return hashlib.sha256(repr(stats).encode()).hexdigest()[:16]
     try:
         from huggingface_hub import try_to_load_from_cache

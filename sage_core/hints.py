@@ -376,12 +376,13 @@ def leaks(hint: str, answer: str) -> bool:
     is a step, not the answer. Any other answer is matched as text in one typesetting (spaces, $ and \\text{}
     wrappers dropped), as a token of its own where it starts or ends with a letter or digit. Both are read after
     _normal (a vulgar fraction, the full-width forms, the dashes and invisible characters)."""
-    hint, answer = _normal(hint), _normal(str(answer))  # a number of over 1000 digits in the hint is none: _no_huge
+    hint, answer = _normal(hint), _normal(str(answer))
     if "\\boxed" in hint:
         return True
     value = _answer_value(answer)
     if value is not None:
-        found = _values(_quantities(hint)) | _word_values(_no_huge(hint)) | _scientific_values(_no_huge(hint))
+        few = _no_huge(hint)  # _values drops them itself, after _quantities has joined LaTeX's digit groups
+        found = _values(_quantities(hint)) | _word_values(few) | _scientific_values(few)
         if (signed := _signed(hint)) is not None:  # "minus 7" is -7, and also 7
             found |= _values(_quantities(signed))
         return value in found or "%" in answer and value / 100 in found  # 17% is also 0.17
