@@ -401,11 +401,6 @@ def tracker_listing(uri: str, run_id: str, artifact_uri: str) -> list[tuple[str,
     return out
 
 
-def tracker_files(uri: str, run_id: str, artifact_uri: str) -> list[str]:
-    """Names of the run's tracker files (``step_000001.parquet``, ...), sorted by step."""
-    return [n for n, _, _ in tracker_listing(uri, run_id, artifact_uri)]
-
-
 def files_key(files, ended: str = "") -> str:
     """A cache key of tracker files as `tracker_listing` gives them (names, sizes, mtimes) and of the run's end
     (`ended`, _end_key): a live run adds files, and a resumed one rewrites the steps it trains again under their
