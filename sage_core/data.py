@@ -281,57 +281,9 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
     'rows') is the data whatever `split` is asked for. Float32/float16 values (Parquet, Arrow) are read as the
     shortest decimal that is the same number in their own precision (a float32 0.1 is 0.1, not 0.10000000149011612)."""
     path = Path(source).expanduser()
-    suffix = path.suffix.lower()
-    if suffix in (".parquet", ".jsonl", ".json") or path.is_file():
-        if not path.exists():
-            raise MissingDataFile(f"data file not found: {path.resolve()}")
-        if suffix == ".parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            try:
-                return _shortest_floats(pq.read_table(path)).to_pylist(), str(path.resolve())
-            except pa.ArrowException as e:
-                raise DataError(f"{path.resolve()}: not a readable Parquet file ({e})") from e
-        try:
-            text = path.read_text(encoding="utf-8-sig")  # a byte order mark (Windows' editors write one) is dropped
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path.resolve()}: not UTF-8 text ({e})") from e
-        except OSError as e:  # a folder named *.jsonl, no permission
-            raise DataError(f"{path.resolve()}: cannot be read as a data file ({e.strerror})") from e
-        if suffix == ".jsonl" or (suffix != ".json" and not text.lstrip().startswith(("[", "{\""))):
-            try:
-                return _json_lines(text, path.resolve()), str(path.resolve())
-            except DataError as e:
-                if suffix == ".jsonl":
-                    raise
-                raise DataError(f"{e} (a '{suffix or 'no extension'}' file is read as JSON lines; data files are "
-                                f".parquet, .jsonl or .json)") from e
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            if e.msg == "Extra data":  # JSON lines in a .json file, as datasets' to_json writes by default
-                return _json_lines(text, path.resolve()), str(path.resolve())
-            raise DataError(f"{path.resolve()}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
-        if isinstance(data, Mapping):  # {"train": [...], "test": [...]}: splits, as a DatasetDict's
-            splits = [k for k, v in data.items() if isinstance(v, list)]
-            for key in (split, "data", "rows"):
-                if isinstance(data.get(key), list):
-                    if len(splits) > 1:
-                        logger.info("%s: split %r of its splits %s", path.resolve(), key, splits)
-                    data = data[key]
-                    break
-            else:
-                if splits:  # not 'train' whatever split is asked: a benchmark was scored on its training rows
-                    raise MissingSplit(f"{path.resolve()}: the JSON object has the splits {splits}, not {split!r}")
-                raise DataError(f"{path.resolve()}: a JSON object needs a list under '{split}', 'data' or 'rows'")
-        if not isinstance(data, list):
-            raise DataError(f"{path.resolve()}: expected a list of records")
-        for i, record in enumerate(data):  # as _json_lines checks each line: a row is an object with columns
-            if not isinstance(record, Mapping):
-                raise DataError(f"{path.resolve()}: row {i} is a JSON {_json_type(record)}, not an object with "
-                                "columns")
-        return data, str(path.resolve())
+    if _is_data_file(path):
+        content, name = _read_data_file(path)
+        return _split_rows(content, split, name), name
     import datasets
     import datasets.exceptions
 
@@ -346,13 +298,85 @@ def read_records(source: str, split: str) -> tuple[list[dict[str, Any]], str]:
     try:
         ds = datasets.load_dataset(str(path) if path.is_dir() else name, config or None, split=split)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:  # no such name, offline, no such split
-        what = "the local dataset folder" if path.is_dir() else "no such local file or folder; as a Hugging Face dataset"
+        what = ("the local dataset folder" if path.is_dir()
+                else "no such local file or folder; as a Hugging Face dataset")
         hint = (" (a data set of several configurations is named NAME:CONFIG, e.g. openai/gsm8k:main)"
                 if config is None and "config" in str(e).lower() else "")
         # datasets says "Unknown split" in a plain ValueError: the words are all there is to tell it by
         error = MissingSplit if "unknown split" in str(e).lower() else DataError
         raise error(f"{source}: {what}, split {split!r} does not load ({e.__class__.__name__}: {e}){hint}") from e
     return _records_of(ds), (str(path.resolve()) + (f":{config}" if config else "") if path.is_dir() else source)
+
+
+def _is_data_file(path: Path) -> bool:
+    """Whether read_records reads `path` as a data file (a .parquet/.jsonl/.json name, or any file), not a data set."""
+    return path.suffix.lower() in (".parquet", ".jsonl", ".json") or path.is_file()
+
+
+def _read_data_file(path: Path) -> tuple[list[Any] | Mapping[str, Any], str]:
+    """What a data file holds, and its name (its absolute path): its records, or the JSON object of a .json file
+    (splits, or rows under 'data' or 'rows'), for _split_rows to pick from and check."""
+    suffix = path.suffix.lower()
+    if not path.exists():
+        raise MissingDataFile(f"data file not found: {path.resolve()}")
+    if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            return _shortest_floats(pq.read_table(path)).to_pylist(), str(path.resolve())
+        except pa.ArrowException as e:
+            raise DataError(f"{path.resolve()}: not a readable Parquet file ({e})") from e
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a byte order mark (Windows' editors write one) is dropped
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path.resolve()}: not UTF-8 text ({e})") from e
+    except OSError as e:  # a folder named *.jsonl, no permission
+        raise DataError(f"{path.resolve()}: cannot be read as a data file ({e.strerror})") from e
+    if suffix == ".jsonl" or (suffix != ".json" and not text.lstrip().startswith(("[", "{\""))):
+        try:
+            return _json_lines(text, path.resolve()), str(path.resolve())
+        except DataError as e:
+            if suffix == ".jsonl":
+                raise
+            raise DataError(f"{e} (a '{suffix or 'no extension'}' file is read as JSON lines; data files are "
+                            f".parquet, .jsonl or .json)") from e
+    try:
+        return json.loads(text), str(path.resolve())
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # JSON lines in a .json file, as datasets' to_json writes by default
+            return _json_lines(text, path.resolve()), str(path.resolve())
+        raise DataError(f"{path.resolve()}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+
+
+def _split_rows(data: Any, split: str, name: str) -> list[dict[str, Any]]:
+    """The records of split `split` of what a data file holds (_read_data_file): a JSON object's list under `split`,
+    else under 'data' or 'rows' (a MissingSplit naming its splits where it has others), a list as it is; each one
+    an object with columns."""
+    if isinstance(data, Mapping):  # {"train": [...], "test": [...]}: splits, as a DatasetDict's
+        splits = _json_splits(data)
+        for key in (split, "data", "rows"):
+            if isinstance(data.get(key), list):
+                if len(splits) > 1:
+                    logger.info("%s: split %r of its splits %s", name, key, splits)
+                data = data[key]
+                break
+        else:
+            if splits:  # not 'train' whatever split is asked: a benchmark was scored on its training rows
+                raise MissingSplit(f"{name}: the JSON object has the splits {splits}, not {split!r}")
+            raise DataError(f"{name}: a JSON object needs a list under '{split}', 'data' or 'rows'")
+    if not isinstance(data, list):
+        raise DataError(f"{name}: expected a list of records")
+    for i, record in enumerate(data):  # as _json_lines checks each line: a row is an object with columns
+        if not isinstance(record, Mapping):
+            raise DataError(f"{name}: row {i} is a JSON {_json_type(record)}, not an object with columns")
+    return data
+
+
+def _json_splits(data: Any) -> list[str]:
+    """The splits of what a data file holds (_read_data_file): a JSON object's keys whose values are lists; [] for
+    a list of records."""
+    return [k for k, v in data.items() if isinstance(v, list)] if isinstance(data, Mapping) else []
 
 
 def _saved_to_disk(path: Path) -> str | None:
@@ -827,10 +851,11 @@ def eval_rows(spec: Any):
     """Held-out no-hint evaluation rows of a RunSpec (spec.eval_num_prompts of them).
 
     synthetic: seed spec.seed + EVAL_SEED_OFFSET, difficulty mixed, problems of the training set excluded.
-    A file, or a folder of a single Dataset written by save_to_disk (it has no splits): the rows after the first
-    spec.num_prompts (the training rows). A dataset folder or HF name: its 'test' or 'validation' split that is not
-    the training split (spec.data_split), else (MATH-500 has only 'test', a local folder may have only 'train') the
-    training split's rows after the training rows.
+    A file of rows, or a folder of a single Dataset written by save_to_disk (it has no splits): the rows after the
+    first spec.num_prompts (the training rows). A dataset folder, an HF name or a .json file of splits ({"train":
+    [...], "test": [...]}): its 'test' or 'validation' split that is not the training split (spec.data_split), else
+    (MATH-500 has only 'test', a local folder or a .json file may have only 'train') the training split's rows after
+    the training rows.
     """
     system = system_prompt_for(spec)
     n = spec.eval_num_prompts
@@ -839,14 +864,22 @@ def eval_rows(spec: Any):
         rows = [r for r in synthetic_rows(2 * n + 16, seed=spec.seed + EVAL_SEED_OFFSET, difficulty="mixed",
                                           system_prompt=system) if r["problem"] not in train][:n]
         return to_dataset(rows)
-    eval_splits = ("test", "validation")
+    eval_splits = tuple(s for s in ("test", "validation") if s != spec.data_split)
     path = Path(spec.data).expanduser()
-    if not path.is_file() and _saved_to_disk(path) != "dataset":
-        try:
-            return load_benchmark(spec.data, n, system, splits=tuple(s for s in eval_splits if s != spec.data_split))
-        except MissingSplit:
-            pass  # no other split to evaluate on: the training split's rows after the training rows
-    records, name = read_records(spec.data, spec.data_split)
+    if _is_data_file(path):  # read once: a file of rows, or a .json file of splits
+        content, name = _read_data_file(path)
+        # a .json file's test split, as a data set's (its 'train' rows after the training rows were taken)
+        if held := [s for s in eval_splits if s in _json_splits(content)]:
+            return to_dataset(normalise_records(_split_rows(content, held[0], name)[:n], name, system,
+                                                for_hints=False))
+        records = _split_rows(content, spec.data_split, name)
+    else:
+        if _saved_to_disk(path) != "dataset":
+            try:
+                return load_benchmark(spec.data, n, system, splits=eval_splits)
+            except MissingSplit:
+                pass  # no other split to evaluate on: the training split's rows after the training rows
+        records, name = read_records(spec.data, spec.data_split)
     rest = records[spec.num_prompts:spec.num_prompts + n]
     if not rest:
         raise DataError(f"{name}: no rows left for evaluation after the first {spec.num_prompts} training rows: it "

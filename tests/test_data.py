@@ -801,3 +801,41 @@ def test_dapo_math_prompts_are_unwrapped_to_the_bare_problem(tmp_path):
     assert rows[1]["prompt"][-1]["content"] == rows[1]["problem"] == other  # not DAPO's wrapper: as it is
     assert rows[2]["prompt"] == prompts.chat("What is $2 + 2$?", prompts.SYSTEM_PROMPT)
     assert rows[2]["problem"] == "What is $2 + 2$?"
+
+
+def test_held_out_rows_of_a_json_file_of_splits_are_its_test_split(tmp_path, caplog):
+    """A .json file of splits trained on is held out as a data set with splits is: its 'test' split, else its
+    'validation' split, named `<data>-heldout`, as the eval while training and the flows take it (it was its 'train'
+    rows after the first num_prompts, though the file has a split set apart for evaluation); only a file with no other
+    split takes its training rows after the first num_prompts. A file of rows is held out as before."""
+    from sage_core.data import eval_set_name, eval_set_rows, heldout_name
+
+    def rows(name, n):
+        return [{"problem": f"{name} question {i}", "answer": str(i), "solution": "s", "id": f"{name}-{i}"}
+                for i in range(n)]
+
+    path = tmp_path / "splits.json"
+    path.write_text(json.dumps({"train": rows("train", 6), "test": rows("test", 3)}))
+    spec = RunSpec(data=str(path), num_prompts=4, prompts_per_step=4, eval_num_prompts=2)
+    assert build_dataset(spec)["problem"] == [f"train question {i}" for i in range(4)]
+    with caplog.at_level("INFO", logger="sage_core.data"):
+        held = eval_rows(spec)
+    assert held["problem"] == ["test question 0", "test question 1"]
+    assert held["prompt_id"] == ["test-0", "test-1"]
+    assert "split 'test' of its splits ['train', 'test']" in caplog.text
+    assert [r["problem"] for r in eval_set_rows(spec.model_copy(update={"eval_data": str(path)}))] == held["problem"]
+    assert eval_set_name(spec) == heldout_name(spec) == "splits-heldout"
+    assert eval_rows(spec.model_copy(update={"eval_num_prompts": 10}))["problem"] == [
+        f"test question {i}" for i in range(3)]
+    path.write_text(json.dumps({"validation": rows("validation", 1), "train": rows("train", 6)}))
+    assert eval_rows(spec)["problem"] == ["validation question 0"]
+    path.write_text(json.dumps({"train": rows("train", 6)}))  # no other split: the training rows after the first 4
+    assert eval_rows(spec)["problem"] == ["train question 4", "train question 5"]
+    path.write_text(json.dumps({"train": rows("train", 4), "dev": rows("dev", 2)}))
+    with pytest.raises(data.DataError, match=r"splits.json: no rows left for evaluation after the first 4 training "
+                                             r"rows: it has 4 rows"):
+        eval_rows(spec)
+    path.write_text(json.dumps(rows("rows", 6)))  # a file of rows: its rows after the training rows
+    assert eval_rows(spec)["problem"] == ["rows question 4", "rows question 5"]
+    path.write_text(json.dumps({"data": rows("data", 6)}))
+    assert eval_rows(spec)["problem"] == ["data question 4", "data question 5"]
