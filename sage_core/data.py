@@ -206,15 +206,41 @@ DAPO_PREFIX = ("Solve the following math problem step by step. The last line of 
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 
+# simple-evals' MATH prompt (openai/simple-evals math_eval.py, QUERY_TEMPLATE): the problem inside an instruction to
+# end with a line 'Answer: ...' and not to box it; its first version wrote ANSWER for Answer in both parts
+SIMPLE_EVALS_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the "
+                       "form Answer: $ANSWER (without quotes) where $ANSWER is the answer to the problem.\n\n")
+SIMPLE_EVALS_SUFFIX = ('\n\nRemember to put your answer on its own line after "Answer:", and you do not need to use a '
+                       '\\boxed command.')
+SIMPLE_EVALS_WRAPPERS = ((SIMPLE_EVALS_PREFIX, SIMPLE_EVALS_SUFFIX),
+                         (SIMPLE_EVALS_PREFIX.replace("form Answer:", "form ANSWER:"),
+                          SIMPLE_EVALS_SUFFIX.replace('"Answer:"', '"ANSWER:"')))
+
+
 def unwrap_dapo(text: str) -> str:
     """The bare problem of a prompt that is DAPO-Math-17k's instruction wrapper around it (DAPO_PREFIX, the problem,
     DAPO_SUFFIX, exactly); any other text as it is. The wrapper asks for a last line 'Answer: ...', while the reward
     (sage_core.reward) reads the reply's last \\boxed{} and the system prompt (prompts.SYSTEM_PROMPT) asks for one:
     kept, it told the policy two formats at once, and replies that followed the wrapper scored 0."""
-    if text.startswith(DAPO_PREFIX) and text.endswith(DAPO_SUFFIX):
-        problem = text[len(DAPO_PREFIX):len(text) - len(DAPO_SUFFIX)].strip()
-        if problem:
-            return problem
+    return _unwrap(text, ((DAPO_PREFIX, DAPO_SUFFIX),))
+
+
+def unwrap_simple_evals(text: str) -> str:
+    """The bare problem of a prompt that is simple-evals' MATH template around it (SIMPLE_EVALS_PREFIX, the problem,
+    SIMPLE_EVALS_SUFFIX, exactly, or its first version's, SIMPLE_EVALS_WRAPPERS); any other text as it is. As DAPO's
+    (unwrap_dapo), it asks for a last line 'Answer: ...', and also says no \\boxed{} is needed, while the reward reads
+    only the reply's last \\boxed{}: replies that followed it scored 0."""
+    return _unwrap(text, SIMPLE_EVALS_WRAPPERS)
+
+
+def _unwrap(text: str, wrappers: Iterable[tuple[str, str]]) -> str:
+    """The text between the prefix and suffix of the first of `wrappers` that `text` starts and ends with exactly,
+    where some is left; else `text` as it is."""
+    for prefix, suffix in wrappers:
+        if text.startswith(prefix) and text.endswith(suffix):
+            problem = text[len(prefix):len(text) - len(suffix)].strip()
+            if problem:
+                return problem
     return text
 
 
@@ -564,7 +590,8 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
             raise DataError(f"{source}: missing column 'answer' (or {', '.join(ANSWER_ALIASES[1:])}, or a 'solution' "
                              f"that ends in \\boxed{{answer}}); columns found: {columns}")
         boxed_in_solution = True
-    rows, at, no_solution, gsm8k, blank_boxed, dapo = [], [], 0, 0, 0, 0
+    rows, at, no_solution, gsm8k, blank_boxed = [], [], 0, 0, 0
+    wrapped = {"dapo": 0, "simple-evals": 0}  # prompts asked as their bare problem, by the wrapper removed
     placeholders: dict[str, list[int]] = {}  # placeholder answer -> the rows left out for it
     for i, r in enumerate(records, first_row):
         prompt = r.get("prompt")
@@ -580,11 +607,12 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
         except (KeyError, TypeError) as e:
             raise DataError(f"{source}: row {i}: 'prompt' must be a string or a list of {{role, content}} messages, "
                             f"got {str(prompt)[:80]!r}") from e
-        unwrapped = [{**m, "content": unwrap_dapo(m["content"])} if m["role"] == "user" else m for m in chat]
-        if has_problem and isinstance(problem, str):
-            problem = unwrap_dapo(problem)
-        if unwrapped != chat:
-            dapo, chat = dapo + 1, unwrapped
+        for wrapper, unwrap in (("dapo", unwrap_dapo), ("simple-evals", unwrap_simple_evals)):
+            unwrapped = [{**m, "content": unwrap(m["content"])} if m["role"] == "user" else m for m in chat]
+            if has_problem and isinstance(problem, str):
+                problem = unwrap(problem)
+            if unwrapped != chat:
+                wrapped[wrapper], chat = wrapped[wrapper] + 1, unwrapped
         users = [m["content"] for m in chat if m["role"] == "user"]
         if problem is None:
             if not users:
@@ -666,9 +694,13 @@ def normalise_records(records: list[dict[str, Any]], source: str = "<records>",
                     "follows ####, the rationale the solution where the row has none", source, gsm8k, len(rows))
     if boxed_in_solution:
         logger.info("%s: no answer column: each gold answer is its solution's last \\boxed{}", source)
-    if dapo:
+    if wrapped["dapo"]:
         logger.info("%s: %d prompts are DAPO's instruction to end with a line 'Answer: ...' around a problem: the "
-                    "problem alone is asked (the reward reads the reply's last \\boxed{})", source, dapo)
+                    "problem alone is asked (the reward reads the reply's last \\boxed{})", source, wrapped["dapo"])
+    if wrapped["simple-evals"]:
+        logger.info("%s: %d prompts are simple-evals' instruction to end with a line 'Answer: ...', not a \\boxed "
+                    "one, around a problem: the problem alone is asked (the reward reads the reply's last \\boxed{})",
+                    source, wrapped["simple-evals"])
     if blank_boxed:
         logger.info("%s: %d rows have a blank answer: their gold answer is their solution's last \\boxed{}", source,
                     blank_boxed)

@@ -839,3 +839,33 @@ def test_held_out_rows_of_a_json_file_of_splits_are_its_test_split(tmp_path, cap
     assert eval_rows(spec)["problem"] == ["rows question 4", "rows question 5"]
     path.write_text(json.dumps({"data": rows("data", 6)}))
     assert eval_rows(spec)["problem"] == ["data question 4", "data question 5"]
+
+
+def test_simple_evals_math_prompts_are_unwrapped_to_the_bare_problem(tmp_path, caplog):
+    """simple-evals' MATH template (openai/simple-evals math_eval.py) wraps the problem in an instruction to end with a
+    line 'Answer: $ANSWER' and says no \\boxed command is needed, while the reward reads only the last \\boxed{}: the
+    policy is asked the bare problem, with one info line counting them. Its exact text only (and its first version's,
+    'ANSWER:' in both parts); other text around a problem, or the two versions' parts mixed, stays as it is."""
+    wrapped = ("Solve the following math problem step by step. The last line of your response should be of the form "
+               "Answer: $ANSWER (without quotes) where $ANSWER is the answer to the problem.\n\nWhat is $1 + 1$?\n\n"
+               "Remember to put your answer on its own line after \"Answer:\", and you do not need to use a \\boxed "
+               "command.")
+    first_version = wrapped.replace("form Answer:", "form ANSWER:").replace('"Answer:"', '"ANSWER:"')
+    records = [{"prompt": [{"role": "user", "content": wrapped}], "answer": "2", "solution": "s", "id": "a1"},
+               {"Question": first_version.replace("1 + 1", "2 + 2"), "Answer": "4", "solution": "s", "id": "a2"},
+               {"problem": wrapped.replace("1 + 1", "3 + 3") + " Show your work.", "answer": "6", "solution": "s",
+                "id": "a3"},
+               {"problem": wrapped.replace('"Answer:"', '"ANSWER:"').replace("1 + 1", "4 + 4"), "answer": "8",
+                "solution": "s", "id": "a4"}]
+    path = tmp_path / "math.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    with caplog.at_level("INFO", logger="sage_core.data"):
+        rows = load_rows(str(path), system_prompt=prompts.SYSTEM_PROMPT)
+    assert rows[0]["prompt"] == prompts.chat("What is $1 + 1$?", prompts.SYSTEM_PROMPT)
+    assert (rows[0]["problem"], rows[0]["answer"], rows[0]["prompt_id"]) == ("What is $1 + 1$?", "2", "a1")
+    assert rows[1]["prompt"] == prompts.chat("What is $2 + 2$?", prompts.SYSTEM_PROMPT)
+    assert rows[1]["problem"] == "What is $2 + 2$?"
+    for row, record in zip(list(rows)[2:], records[2:], strict=True):  # not the exact wrapper: as it is
+        assert row["prompt"][-1]["content"] == row["problem"] == record["problem"]
+    assert "2 prompts are simple-evals' instruction to end with a line 'Answer: ...'" in caplog.text
+    assert "DAPO" not in caplog.text
