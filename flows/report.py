@@ -18,10 +18,10 @@ from sage_core import tracking
 
 
 def latest_study(experiment: str):
-    """The study run last active (ended, or started, latest: an earlier study run again reopens its own MLflow run,
-    which keeps its start time) that has a comparison table."""
-    runs = sorted(tracking.find_runs(experiment, kind="study"),
-                  key=lambda r: max(r.info.end_time or 0, r.info.start_time or 0), reverse=True)
+    """The study run last active (tracking.last_active: started, reopened or ended latest; an earlier study run again
+    reopens its own MLflow run, which keeps its start time and, while RUNNING, its earlier attempt's end) that has a
+    comparison table."""
+    runs = sorted(tracking.find_runs(experiment, kind="study"), key=tracking.last_active, reverse=True)
     for run in runs:
         if tracking.has_artifact(run.info.run_id, "study/comparison.parquet"):
             return run

@@ -55,6 +55,8 @@ RUN_ID_FILE = "mlflow_run_id"
 COMPLETE_TAG = "sage.complete"
 LAST_STEP_TAG = "sage.last_step"  # the step the run's model was trained to (set when training ends)
 RESUMED_PREFIX = "sage.resumed."  # + field: the value of a field changed when the run was reopened
+# when the run was last reopened (ms since the epoch, as MLflow's times): its start time stays the first attempt's
+REOPENED_TAG = "sage.reopened_at"
 SPEC_TAGS = ("sage.method", "sage.hint_source", "sage.model", "sage.spec_key")  # from the spec
 EVAL_ARTIFACT = "eval/eval.parquet"
 DROPPED_PROMPTS = "dropped_prompts.json"  # rows over max_prompt_length, left out of training (sage_core.train)
@@ -208,6 +210,7 @@ def open_run(spec: RunSpec, kind: str, experiment: str = DEFAULT_EXPERIMENT, run
             if frid:
                 c.set_tag(run_id, "prefect.flow_run_id", frid)
             c.set_tag(run_id, "sage.resumed", str(int(run.data.tags.get("sage.resumed", "0")) + 1))
+            c.set_tag(run_id, REOPENED_TAG, str(int(time.time() * 1000)))  # last_active
             _respec_run(run, spec, kind)
             return run_id
         log.warning("MLflow run %s not found in %s; starting a new run", run_id, shown_uri())
@@ -380,6 +383,17 @@ def resume_or_create_run(spec: RunSpec, kind: str, output_dir: str | Path,
 
 def is_complete(run: Run) -> bool:
     return run.info.status == "FINISHED" and run.data.tags.get(COMPLETE_TAG) == "true"
+
+
+def last_active(run: Run) -> int:
+    """When `run` was last seen active (ms since the epoch): the latest of its start, its end and its last reopening
+    (REOPENED_TAG). A run reopened keeps its first start, and while RUNNING still carries the end of its earlier
+    attempt (MLflow cannot clear it): ranked by those, a study run again was outranked by one that ended after that
+    attempt. Not 'now' for a RUNNING run: a process killed outright (SIGKILL, `make down` mid-flow) leaves its run
+    RUNNING for good, and it would outrank every run after it. A run reopened by a version without the tag: its
+    earlier end, the latest time known of it."""
+    reopened = run.data.tags.get(REOPENED_TAG, "")
+    return max(run.info.start_time or 0, run.info.end_time or 0, int(reopened) if reopened.isdigit() else 0)
 
 
 def find_runs(experiment: str = DEFAULT_EXPERIMENT, *, spec_key: str | None = None, kind: str | None = None,

@@ -191,6 +191,40 @@ def test_report_prints_the_study_run_last_active(tmp_path, monkeypatch):
     assert report.latest_study("studies").info.run_id == ids[0]
 
 
+def test_a_study_run_again_is_the_report_of_its_reopening_while_it_runs(tmp_path, monkeypatch):
+    """A study run again reopens its MLflow run, which keeps its start and, while RUNNING, the end of its earlier
+    attempt (MLflow cannot clear it): ranked by those, a study that ended between that end and the reopening was
+    taken for the latest. The reopening counts (tracking.last_active); a run killed outright, RUNNING for good, is not
+    taken for 'now' over the studies after it."""
+    from flows import report
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    c = tracking.client()
+    exp = c.create_experiment("studies")
+    ids = []
+    for name, start, end in (("first", 1_000, 3_000), ("second", 2_000, 5_000)):
+        rid = c.create_run(exp, start_time=start, tags={"sage.kind": "study"}, run_name=name).info.run_id
+        table = tmp_path / name / "comparison.parquet"
+        table.parent.mkdir()
+        pd.DataFrame({"variant": [name]}).to_parquet(table)
+        c.log_artifact(rid, str(table), "study")
+        c.set_terminated(rid, "FINISHED", end_time=end)
+        ids.append(rid)
+    assert report.latest_study("studies").info.run_id == ids[1]
+    before = int(time.time() * 1000)
+    tracking.open_run(RunSpec(), "study", "studies", run_id=ids[0])  # the first study run again
+    run = c.get_run(ids[0])
+    assert run.info.status == "RUNNING" and run.info.end_time == 3_000  # its earlier attempt's end, still there
+    assert tracking.last_active(run) >= before
+    assert report.latest_study("studies").info.run_id == ids[0]
+    # a third study started and ended after the reopening (the first one killed outright, RUNNING for good)
+    rid = c.create_run(exp, start_time=int(time.time() * 1000) + 1_000, tags={"sage.kind": "study"}).info.run_id
+    c.log_artifact(rid, str(tmp_path / "second" / "comparison.parquet"), "study")
+    c.set_terminated(rid, "FINISHED", end_time=int(time.time() * 1000) + 2_000)
+    assert report.latest_study("studies").info.run_id == rid
+
+
 def test_study_seeds_and_key():
     base = params.resolve_spec("tiny-cpu", None, {"seed": 3})
     assert study_seeds(None, base) == [3] and study_seeds([2, 0, 1], base) == [2, 0, 1]
