@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import math
 import os
 import time
@@ -351,10 +352,21 @@ def eval_settings(spec: RunSpec) -> dict[str, Any]:
                 max_new_tokens=spec.max_completion_length, use_vllm=spec.use_vllm, seed=spec.seed)
 
 
-def eval_table(rows: list[dict], spec: RunSpec) -> pd.DataFrame:
+def benchmark_hash(rows: list[dict]) -> str:
+    """A hash of a benchmark's rows as they are scored (a file's content as read, or the held-out set's rows): the
+    eval table's `benchmark_hash`, which tells two files of one name and one number of rows apart."""
+    text = json.dumps(rows, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def eval_table(rows: list[dict], spec: RunSpec, benchmarks: dict[str, Any]) -> pd.DataFrame:
     """Eval rows as logged into a run's eval.parquet: with the sampling settings they were taken at (temperature,
-    top_p; k and n_prompts are columns already), so that a before/after pair can be checked to share them."""
-    return pd.DataFrame(rows).assign(temperature=spec.eval_temperature, top_p=spec.eval_top_p)
+    top_p; k and n_prompts are columns already) and the hash of the rows of the benchmark scored (`benchmarks`, the
+    rows given to the evaluation: benchmark_hash), so that a before/after pair can be checked to share them and a
+    benchmark file changed under its name is scored again (train_flow.missing_evals)."""
+    hashes = {str(name): benchmark_hash(b) for name, b in benchmarks.items()}
+    df = pd.DataFrame(rows).assign(temperature=spec.eval_temperature, top_p=spec.eval_top_p)
+    return df.assign(benchmark_hash=df["benchmark"].astype(str).map(hashes)) if "benchmark" in df.columns else df
 
 
 def run_eval(model_ref: str, benchmarks: dict[str, Any], spec: RunSpec, label: str, cache: bool,

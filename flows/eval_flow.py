@@ -132,7 +132,7 @@ def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, pre
     logger.info("sage-eval %s on %s (k=%d, T=%.2f, top_p=%.2f)", model, sorted(benches), spec.eval_k,
                 spec.eval_temperature, spec.eval_top_p)
     rows = run_eval(ref, benches, spec, label=slug(Path(model).name or model), cache=False)
-    df = eval_table(rows, spec)
+    df = eval_table(rows, spec, benches)
     if log_to_run:
         run_id = log_to_run
         tracking.log_eval(df, when, run_id)

@@ -28,8 +28,8 @@ variants and seeds not finished before, and its tables cover every variant and s
 calls finished too; the newest complete run of each), ordered by seed.
 
 A study of other `benchmarks` is another study with children of its own: its variants train again in folders of
-its own (train_flow.folder_label) and are scored in runs of their own, never in the other study's runs (whose eval
-table names a benchmark by its name, not its file).
+its own (train_flow.folder_label) and are scored in runs of their own, never in the other study's runs (children
+of the other study run).
 """
 
 from __future__ import annotations

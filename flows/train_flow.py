@@ -20,6 +20,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from pydantic import ValidationError
 
 from flows.common import (
+    benchmark_hash,
     code_version,
     end_status,
     eval_table,
@@ -115,14 +116,14 @@ def _run_training_locked(spec, out, *, experiment, label, benchmarks, evaluate_b
         if evaluate_before and todo:  # an attempt before this one may have evaluated other benchmarks, or another k
             before = run_eval(spec.model, todo, spec, label=f"{label}-before", cache=True,
                               gguf_file=spec.gguf_file)
-            tracking.log_eval(eval_table(before, spec), "before", run_id)
+            tracking.log_eval(eval_table(before, spec, todo), "before", run_id)
         train = train_task
         if not (out / "final").is_dir():  # never reuse a cached result whose model is gone
             train = train_task.with_options(refresh_cache=True)
         res = train(spec, str(out), run_id, label, launcher, code_version())
         if evaluate_after:
             after = run_eval(res["checkpoint_dir"], benches, spec, label=f"{label}-after", cache=False)
-            tracking.log_eval(eval_table(after, spec), "after", run_id)
+            tracking.log_eval(eval_table(after, spec, benches), "after", run_id)
     except BaseException as e:
         tracking.finish_run(run_id, end_status(e))
         raise
@@ -159,22 +160,25 @@ def _complete_evals(spec: RunSpec, run_id: str, label: str, benchmarks: dict[str
             continue
         else:
             rows = run_eval(resolve_model(f"runs:/{run_id}")[0], todo, spec, label=f"{label}-after", cache=False)
-        tracking.log_eval(eval_table(rows, spec), when, run_id)
+        tracking.log_eval(eval_table(rows, spec, todo), when, run_id)
     return list(benches)
 
 
 def missing_evals(previous, when: str, benches: dict[str, Any], spec: RunSpec) -> dict[str, Any]:
     """The benchmarks of `benches` the run's eval table has no `when` row of taken as `spec` evaluates: at its
     eval_k, eval_temperature and eval_top_p (where the table records them: rows logged before it did count as
-    taken so), on as many prompts as the benchmark has now (eval_num_prompts of the held-out set, a file's rows)."""
+    taken so), on the rows the benchmark has now (its `benchmark_hash`, common.eval_table: a file of the same name
+    and number of rows, written again or another file, was taken as scored; a row logged before the table recorded
+    it counts as another file's, scored again)."""
     if previous is None or len(previous) == 0:
         return benches
     rows = previous[(previous["when"] == when) & (previous["k"] == spec.eval_k)]
     for col, value in (("temperature", spec.eval_temperature), ("top_p", spec.eval_top_p)):
         if col in rows.columns:
             rows = rows[rows[col].isna() | np.isclose(rows[col].astype(float), value)]
-    have = {str(b): int(n) for b, n in zip(rows["benchmark"], rows["n_prompts"], strict=True)}
-    return {b: r for b, r in benches.items() if b not in have or have[b] != len(r)}
+    hashes = rows["benchmark_hash"] if "benchmark_hash" in rows.columns else [None] * len(rows)
+    have = {str(b): h for b, h in zip(rows["benchmark"], hashes, strict=True)}
+    return {b: r for b, r in benches.items() if have.get(b) != benchmark_hash(r)}
 
 
 def _report(row: dict[str, Any], label: str) -> None:

@@ -322,7 +322,7 @@ def test_an_evals_default_held_out_set_is_that_of_the_run_that_trained_the_model
     seen = []
     monkeypatch.setattr(ef, "get_run_logger", lambda: logging.getLogger("test-flow"))
     monkeypatch.setattr(ef, "run_eval", lambda ref, benches, spec, **kw: seen.append(benches) or [])
-    monkeypatch.setattr(ef, "eval_table", lambda rows, spec: pd.DataFrame(columns=tracking.EVAL_COLUMNS))
+    monkeypatch.setattr(ef, "eval_table", lambda rows, spec, benches: pd.DataFrame(columns=tracking.EVAL_COLUMNS))
     monkeypatch.setattr(ef, "create_table_artifact", lambda *a, **kw: None)
     trained = params.resolve_spec("tiny-cpu", {"data": str(data), "num_prompts": 90})
     out = tmp_path / "run"
@@ -597,6 +597,37 @@ def test_a_finished_run_asked_for_other_benchmarks_is_evaluated_on_them(stubbed_
     _unchanged(again)
     assert again["avg_at_k_after"] == pytest.approx(_ACC["b"])  # this call's benchmark, not a and b averaged
     assert stubbed_train["train"](spec, {"b": "b.jsonl"})["skipped"] and len(stubbed_train["evals"]) == 4
+
+
+def test_a_benchmark_file_changed_under_its_name_is_scored_again(stubbed_train, tmp_path, monkeypatch):
+    """The eval table named a benchmark by its name and number of rows only: a finished run called again with a
+    benchmark file of the same name and size but other rows (written again, or another file under that name) took
+    its 'before' and 'after' as scored. Its rows' hash (benchmark_hash) is in the table; a row logged before the table
+    had it counts as another file's."""
+    import json
+
+    import flows.train_flow as tf
+
+    monkeypatch.setattr(tf, "resolve_benchmarks", lambda spec, b: {  # a file's rows, as read
+        n: [json.loads(line) for line in Path(p).read_text().splitlines()] for n, p in b.items()})
+    bench = tmp_path / "a.jsonl"
+    bench.write_text("".join(json.dumps({"prompt": f"{i} + 1 ?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    first = stubbed_train["train"](spec, {"a": str(bench)})
+    assert stubbed_train["train"](spec, {"a": str(bench)})["skipped"] and len(stubbed_train["evals"]) == 2
+    size = bench.stat().st_size
+    bench.write_text("".join(json.dumps({"prompt": f"{i} + 2 ?", "answer": str(i + 2)}) + "\n" for i in range(4)))
+    assert bench.stat().st_size == size  # the same name, size and number of rows: other problems
+    again = stubbed_train["train"](spec, {"a": str(bench)})
+    assert again["skipped"] and again["run_id"] == first["run_id"]
+    assert stubbed_train["evals"][2:] == [("before", ["a"], 2), ("after", ["a"], 2)]
+    ev = tracking.load_eval(first["run_id"])
+    rows = tf.resolve_benchmarks(spec, {"a": str(bench)})
+    assert len(ev) == 2 and set(ev["benchmark_hash"]) == {common.benchmark_hash(rows["a"])}
+    assert stubbed_train["train"](spec, {"a": str(bench)})["skipped"] and len(stubbed_train["evals"]) == 4
+    # a table logged before the hash was recorded: its rows are taken as another file's (scored again)
+    assert tf.missing_evals(ev.drop(columns="benchmark_hash"), "before", rows, spec) == rows
+    assert tf.missing_evals(ev, "before", rows, spec) == {}
 
 
 def test_two_flow_runs_of_one_spec_at_once_train_it_once(stubbed_train, caplog):
