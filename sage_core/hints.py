@@ -276,26 +276,34 @@ _SCIENTIFIC = re.compile(
     r"|([\u207a\u207b]?[\u2070\u00b9\u00b2\u00b3\u2074-\u2079]{1,3})(?![\u2070\u00b9\u00b2\u00b3\u2074-\u2079])))")
 
 
+def _scientific_value(m: re.Match) -> Fraction:
+    """The value of one number _SCIENTIFIC matched: "1.2e1" is 12."""
+    exponent = next(e for e in m.groups()[1:] if e is not None).translate(_SUPERSCRIPT)
+    return Fraction(m[1]) * Fraction(10) ** int(exponent)
+
+
 def _scientific_values(text: str) -> set[Fraction]:
     """The values of the numbers `text` writes in scientific notation (see _SCIENTIFIC): "1.2e1" is 12."""
-    out: set[Fraction] = set()
-    for m in _SCIENTIFIC.finditer(text):
-        exponent = next(e for e in m.groups()[1:] if e is not None).translate(_SUPERSCRIPT)
-        out.add(Fraction(m[1]) * Fraction(10) ** int(exponent))
-    return out
+    return {_scientific_value(m) for m in _SCIENTIFIC.finditer(text)}
 
 
 def _answer_value(answer: str) -> Fraction | None:
     """The answer's value where the answer is one number (17, 9.0, 0.5, 1,234, 3/4, -\\frac{3}{4}, \\frac{-3}{4};
-    also with LaTeX thin spaces, a percent sign, a degree sign (^\\circ, \\degree or the character \u00b0), an escaped
-    dollar sign, LaTeX digit grouping (10{,}000), a unit after it as in 5\\text{ cm}, inside \\text{}, or after a
-    variable as in x = 3), else None."""
+    in scientific notation, 6.02e23 and 6.02 \\times 10^{23} as in a hint (_SCIENTIFIC, whose x needs spaces, which
+    an answer is read without: 6.02x10^{23} stays text); also with LaTeX thin spaces, a percent sign, a degree sign
+    (^\\circ, \\degree or the character \u00b0), an escaped dollar sign, LaTeX digit grouping (10{,}000), a unit
+    after it as in 5\\text{ cm}, inside \\text{}, or after a variable as in x = 3), else None. A number of over 1000
+    digits (_HUGE) is None: matched as text."""
     a = re.sub(r"\s", "", _clean(answer)).replace("{,}", ",")  # MATH's 10{,}000, as the reward reads it
     a = re.sub(r"^[a-zA-Z](?:_\{?\w+\}?)?=", "", a)  # x=3, x_1=3
     a = re.sub(r"(?<=[\d}])" + _TEXT + r"(?:\^\{?\d\}?)?$", "", a)  # a unit: 5\text{cm}, 3\mathrm{m}^2
     a = re.sub("^" + _TEXT + "$", r"\1", a)  # \text{5}
-    m = _NUMBER.fullmatch(re.sub(r"\\?%|\^\{?\\circ\}?|\u00b0|\\degree|\\(?=[\d-])", "", a))
-    return _value(m) if m is not None and _HUGE.search(a) is None else None  # a huge one: matched as text
+    if _HUGE.search(a) is not None:  # a huge one: matched as text
+        return None
+    a = re.sub(r"\\?%|\^\{?\\circ\}?|\u00b0|\\degree|\\(?=[\d-])", "", a)
+    if (m := _NUMBER.fullmatch(a)) is not None:
+        return _value(m)
+    return _scientific_value(m) if (m := _SCIENTIFIC.fullmatch(a)) is not None else None
 
 
 def _mentions(text: str, answer: str, alone: bool = False) -> bool:
@@ -371,11 +379,11 @@ def _quantities(hint: str) -> str:
 def leaks(hint: str, answer: str) -> bool:
     """True when the hint reveals the final answer: it contains a \\boxed{} answer, or the gold answer itself. A
     numeric answer is matched by value in any form a number is written in (9 and 9.0; 0.5, 1/2, \\frac{1}{2} and
-    50%; 5/2 and 2\\frac{1}{2}; 1234 and 1,234; 1.2e1 and 1.2 \\times 10^1 as 12; 5\\text{ cm} as 5; forty-two, two
-    thirds, negative five in words; minus 5 as a sign) as a standalone number: "19" does not reveal 9, and "12 - 3"
-    is a step, not the answer. Any other answer is matched as text in one typesetting (spaces, $ and \\text{}
-    wrappers dropped), as a token of its own where it starts or ends with a letter or digit. Both are read after
-    _normal (a vulgar fraction, the full-width forms, the dashes and invisible characters)."""
+    50%; 5/2 and 2\\frac{1}{2}; 1234 and 1,234; 1.2e1 and 1.2 \\times 10^1 as 12, in the answer too; 5\\text{ cm} as
+    5; forty-two, two thirds, negative five in words; minus 5 as a sign) as a standalone number: "19" does not reveal
+    9, and "12 - 3" is a step, not the answer. Any other answer is matched as text in one typesetting (spaces, $ and
+    \\text{} wrappers dropped), as a token of its own where it starts or ends with a letter or digit. Both are read
+    after _normal (a vulgar fraction, the full-width forms, the dashes and invisible characters)."""
     hint, answer = _normal(hint), _normal(str(answer))
     if "\\boxed" in hint:
         return True

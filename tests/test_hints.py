@@ -125,6 +125,16 @@ def req(pid="p1", level=3, answer="9"):
     ("so it is 1.2e1 in all", "1", False),
     ("compute 3 \\times 10 first", "30", False),
     ("Factor 10^2 - 1 first.", "100", False),
+    # ... and a gold answer in scientific notation is its value too, in any form the hint writes it in
+    ("so it is 6.02 \\times 10^{23} of them", "6.02e23", True),
+    ("so it is 602000000000000000000000 of them", "6.02e23", True),
+    ("so it is 6.02e23 of them", "6.02 \\times 10^{23}", True),
+    ("so it is 6.02 \u00d7 10\u00b2\u00b3 of them", "6.02\\cdot10^{23}", True),
+    ("so it is 602,000,000,000,000,000,000,000", "6.02\\times10^{23}", True),
+    ("so it is 0.0015 here", "1.5\\times10^{-3}", True),
+    ("so it is 1000 m", "1e3\\text{ m}", True),
+    ("so it is 6.02e22 of them", "6.02e23", False),
+    ("so it is 6.02 of them", "6.02e23", False),
     # any other answer as a substring, in the same typesetting: \dfrac is \frac, \left( is (, thin spaces go
     ("the angle is \\frac{\\pi}{4} here", "\\dfrac{\\pi}{4}", True),
     ("the point \\left(1, 2\\right)", "(1,2)", True),
@@ -311,6 +321,8 @@ def test_leak_guard_gives_a_verdict_on_numbers_of_more_digits_than_python_reads(
         assert leaks(f"it is 8, then {hint}", "8") is True, hint[:20]
     assert leaks(f"so {digits} it is", digits) and not leaks("so 7 it is", digits)
     assert leaks("1" * 200, "1" * 200) and not leaks("1" * 200, "1" * 199)  # a long answer (100! has 158 digits)
+    # an answer in scientific notation of so long a mantissa is text too (its value is not taken)
+    assert leaks(f"so {digits}e1 it is", digits + "e1") and not leaks("so 7 it is", digits + "e1")
 
 
 def test_hinted_prompt_keeps_problem_and_adds_hint():
