@@ -93,7 +93,8 @@ _TEXT = r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"  # \text{c
 
 # Characters a hint may write a number with, as the guard reads them: the dashes models write as a minus (the minus
 # sign \u2212, the en dash \u2013, the figure dash, the small hyphen-minus) and as a hyphen (\u2010, and \u2011 as in
-# forty\u2011two) as -, where "12\u20133" stays 12 and 3 as "12-3" does (the em dash is punctuation: left as it is);
+# forty\u2011two) as -, where "12\u20133" stays 12 and 3 as "12-3" does (the em dash is punctuation: left as it is,
+# and read as a minus too only where it is one, _EM_MINUS);
 # a vulgar fraction (\u00bd, \u00be, \u2153, ...) as \frac{1}{2} (so 2\u00bd is the mixed number 2\frac{1}{2}), the
 # fraction slash as /; the full-width forms (\uff11\uff12, \uff0d\uff17, \uff11\uff0f\uff12) as ASCII and the
 # ideographic space as a space; no character for the invisible ones (zero-width space, non-joiner and joiner, word
@@ -228,10 +229,18 @@ def _is_sign(text: str, m: re.Match) -> bool:
     return m[1].lower() == "negative" or _OPERAND.search(text[max(0, m.start() - 40):m.start()]) is None
 
 
+# An em dash (\u2014) that is a minus: one directly before a number at the start of the hint or after a space or "("
+# ("the answer is \u20147", "(\u20143, 5)"), and one after "=" whatever the spaces ("x = \u2014 7"). Elsewhere it is
+# punctuation, which it mostly is ("the sum\u20147 apples\u2014", "add 7 \u2014 5 is left", "pages 3\u20137"): read
+# as a minus everywhere (as _NORMAL reads the en dash), "twenty\u2014two" would be 22 and no longer 20 and 2.
+_EM_MINUS = re.compile(r"(?:^|(?<=[\s(]))\u2014(?=\.?\d|\\[dt]?frac)|(?<==)\s*\u2014\s*(?=\.?\d|\\[dt]?frac)")
+
+
 def _signed(hint: str) -> str | None:
-    """The hint with each sign in words before a number in digits written "-" ("is minus 3/4" is "is -3/4"), None
-    where it has none: the guard reads the hint both ways, as "negative five" is -5 and also 5."""
-    out = _SIGN_WORD.sub(lambda m: "-" if _is_sign(hint, m) else m[0], hint)
+    """The hint with each sign in words before a number in digits, and each em dash that is a minus (_EM_MINUS),
+    written "-" ("is minus 3/4" is "is -3/4", "is \u20147" is "is -7"), None where it has none: the guard reads the
+    hint both ways, as "negative five" is -5 and also 5, and "is \u20147" -7 and also 7."""
+    out = _EM_MINUS.sub("-", _SIGN_WORD.sub(lambda m: "-" if _is_sign(hint, m) else m[0], hint))
     return out if out != hint else None
 
 
@@ -391,7 +400,7 @@ def leaks(hint: str, answer: str) -> bool:
     if value is not None:
         few = _no_huge(hint)  # _values drops them itself, after _quantities has joined LaTeX's digit groups
         found = _values(_quantities(hint)) | _word_values(few) | _scientific_values(few)
-        if (signed := _signed(hint)) is not None:  # "minus 7" is -7, and also 7
+        if (signed := _signed(hint)) is not None:  # "minus 7" and "is \u20147" are -7, and also 7
             found |= _values(_quantities(signed))
         return value in found or "%" in answer and value / 100 in found  # 17% is also 0.17
     ans = re.sub(r"\s", "", re.sub(_TEXT, r"\1", _clean(answer)))

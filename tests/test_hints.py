@@ -279,6 +279,18 @@ def req(pid="p1", level=3, answer="9"):
     ("so x is in (\u2013\u221e, 3]", "(-\\infty,3]", True),
     ("read pages 3\u20137 first", "-7", False),
     ("Level 2 \u2013 medium: start from 4.", "2", False),
+    # the em dash is a minus only directly before a number after a space, "(" or the start, or after "=" (and it is
+    # read both ways there); elsewhere it is punctuation
+    ("The result is \u20147.", "-7", True),
+    ("The result is \u20147.", "7", True),
+    ("\u20147 is the result", "-7", True),
+    ("so x = \u2014 7 here", "-7", True),
+    ("the point (\u20143, 5)", "-3", True),
+    ("so x = \u2014\\frac{3}{4}", "-0.75", True),
+    ("the sum\u20147 apples\u2014is next", "-7", False),
+    ("the sum\u20147 apples\u2014is next", "7", True),
+    ("add 7 \u2014 5 is left", "-5", False),
+    ("read pages 3\u20147 first", "-7", False),
     # full-width forms as ASCII, invisible characters (zero-width, word joiner, BOM, soft hyphen) as none
     ("it is \uff11\uff12 in all", "12", True),
     ("x = \uff0d\uff17", "-7", True),
