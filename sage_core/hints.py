@@ -153,8 +153,11 @@ def _no_huge(text: str) -> str:
 
 def _values(text: str) -> set[Fraction]:
     """The values of the numbers written in `text`, each in every reading: "1/2" is 1/2 and also 1 and 2, "3,400" is
-    3400 and also 3 and 400, "50%" is 50 and also 1/2, "2 1/2" is 2, 1/2 and also 5/2 (the guard rejects a hint on
-    any reading). A number of over 1000 digits is none (_no_huge)."""
+    3400 and also 3 and 400, "12,100,200" (or "12 100 200", _quantities) also 12100 and 100200: each run of up to
+    seven of its groups that the groups beside it leave a number of its own (not 10000 in 10,000,000: no number starts
+    000; seven as for a space, and a hint's run of hundreds of groups is read in linear time), "50%" is 50 and also
+    1/2, "2 1/2" is 2, 1/2 and also 5/2 (the guard rejects a hint on any reading). A number of over 1000 digits is
+    none (_no_huge)."""
     text = _no_huge(text)
     out: set[Fraction] = {Fraction(m[1]) / 100 for m in _PERCENT.finditer(text)}
     for m in _MIXED.finditer(text):
@@ -168,7 +171,11 @@ def _values(text: str) -> set[Fraction]:
         if a is not None:
             out.update((Fraction(a), Fraction(b)))
         elif grouped is not None:
-            out.update(Fraction(x) for x in grouped.lstrip("-").split(","))
+            groups = grouped.lstrip("-").split(",")
+            out.update(map(Fraction, groups))
+            out.update(Fraction("".join(groups[i:j])) for i in range(len(groups))
+                       for j in range(i + 2, min(i + 7, len(groups)) + 1)
+                       if (i == 0 or groups[i][0] != "0") and (j == len(groups) or groups[j][0] != "0"))
     return out
 
 

@@ -195,6 +195,17 @@ def req(pid="p1", level=3, answer="9"):
     ("so 10 0000 here", "100000", False),
     ("from 1234 567 on", "1234567", False),
     ("add 10 and then 000", "10000", False),
+    # ... in every reading: "12 100" is 12100, 12 and 100; "12 100 200" also 12100 and 100200, where the groups beside
+    # leave a number (no number starts 000: 10,000,000 holds no 10000)
+    ("rows 12 100 in all", "12", True),
+    ("rows 12 100 in all", "100", True),
+    ("rows 12 100 in all", "12100", True),
+    ("rows 12 100 200 in all", "12100", True),
+    ("rows 12 100 200 in all", "100200", True),
+    ("rows 12,100,200 in all", "12100", True),
+    ("so 1 100 100 here", "1100", True),
+    ("divide 10,000,000 by 1,000", "10000", False),
+    ("divide 10 000 000 by 1 000", "10000", False),
     # numbers that name no quantity: exponents, subscripts, step numbers; a quantity beside them still counts
     ("Factor x^2-4 first.", "2", False),
     ("Use \\sin^2 x + \\cos^2 x = 1.", "2", False),
