@@ -384,6 +384,9 @@ def _split_rows(data: Any, split: str, name: str) -> list[dict[str, Any]]:
         for key in (split, "data", "rows"):
             if isinstance(data.get(key), list):
                 if len(splits) > 1:
+                    if not data[key]:  # else normalise_records' bare "no rows", while the file has rows
+                        raise DataError(f"{name}: split {key!r} has no rows (the JSON object's splits: "
+                                        + ", ".join(f"{s!r} {len(data[s])}" for s in splits) + ")")
                     logger.info("%s: split %r of its splits %s", name, key, splits)
                 data = data[key]
                 break

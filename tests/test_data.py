@@ -839,6 +839,14 @@ def test_held_out_rows_of_a_json_file_of_splits_are_its_test_split(tmp_path, cap
     assert eval_rows(spec)["problem"] == ["rows question 4", "rows question 5"]
     path.write_text(json.dumps({"data": rows("data", 6)}))
     assert eval_rows(spec)["problem"] == ["data question 4", "data question 5"]
+    # an empty split of several is named, with the rows the others have (it was "splits.json: no rows")
+    path.write_text(json.dumps({"train": rows("train", 6), "test": []}))
+    with pytest.raises(data.DataError, match=r"splits.json: split 'test' has no rows \(the JSON object's splits: "
+                                             r"'train' 6, 'test' 0\)"):
+        eval_rows(spec)
+    path.write_text(json.dumps({"train": [], "test": rows("test", 3)}))
+    with pytest.raises(data.DataError, match=r"split 'train' has no rows"):
+        build_dataset(spec)
 
 
 def test_simple_evals_math_prompts_are_unwrapped_to_the_bare_problem(tmp_path, caplog):
