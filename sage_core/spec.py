@@ -243,9 +243,9 @@ def absolute_path(value):
 
 
 def with_absolute_paths(spec: RunSpec) -> RunSpec:
-    """`model`, `data` and `teacher` given as relative local paths made absolute where the spec is built (the CLI's
-    working directory, a flow's worker): spec.json, the spec key and a resume from another working directory then
-    name the same files, not whichever have those names there."""
+    """`model`, `data`, `teacher` and `eval_data` (PATH_FIELDS) given as relative local paths made absolute where
+    the spec is built (the CLI's working directory, a flow's worker): spec.json, the spec key and a resume from
+    another working directory then name the same files, not whichever have those names there."""
     update = {f: a for f in PATH_FIELDS if (a := absolute_path(getattr(spec, f))) != getattr(spec, f)}
     return spec.model_copy(update=update) if update else spec
 
