@@ -771,8 +771,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "experiment", None) and not args.mlflow:  # it was ignored: the run went unlogged, unnoticed
+        print(f"sage {args.command}: --experiment {args.experiment} names an MLflow experiment: add --mlflow to log "
+              "the run there", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # `sage launch --dry-run | head`: the reader is gone, nothing left to tell it
+        # (Python's advice: point stdout at devnull so that its flush at exit does not raise again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (SpecError, DataError, ModelNotFound, TeacherError, LoraTargetsNotFound) as e:
         # bad input: the message says what, no traceback
         print(f"sage {args.command}: {e}", file=sys.stderr)

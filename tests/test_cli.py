@@ -109,6 +109,28 @@ def test_invalid_specs_exit_2_naming_the_field(capsys, argv, needle):
     assert err.startswith("sage spec: ")
 
 
+def test_experiment_without_mlflow_is_refused(capsys, tmp_path):
+    """--experiment names an MLflow experiment: without --mlflow it was ignored, and the run went unlogged with no word
+    said. It is refused before anything runs (no run folder made)."""
+    for cmd in ("train", "launch"):
+        rc, out, err = run_cli(capsys, cmd, "--preset", "tiny-cpu", "--output-dir", str(tmp_path / cmd),
+                               "--experiment", "mine")
+        assert rc == 2 and out == ""
+        assert err == f"sage {cmd}: --experiment mine names an MLflow experiment: add --mlflow to log the run there\n"
+        assert not (tmp_path / cmd).exists()
+
+
+def test_output_to_a_closed_pipe_ends_quietly(tmp_path):
+    """`sage spec | head -1` and the like: a reader gone before the output is written ends the command with status
+    1 and no traceback (it printed BrokenPipeError's, twice: the flush at exit raised again)."""
+    p = subprocess.Popen([sys.executable, "-m", "sage_core.cli", "spec", "--preset", "tiny-cpu"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader is gone before the command writes
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 1, err
+    assert err == ""
+
+
 def test_spec_file_errors(capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
