@@ -298,9 +298,18 @@ def _scientific_value(m: re.Match) -> Fraction:
     return Fraction(m[1]) * Fraction(10) ** int(exponent)
 
 
+# x = - 5, x = - \frac{1}{2}: after =, a spaced minus is a sign, not a subtraction (_quantities, _scientific_values)
+_SPACED_SIGN = re.compile(r"(=\s*)-\s+(?=\.?\d|\\[dt]?frac)")
+
+
 def _scientific_values(text: str) -> set[Fraction]:
-    """The values of the numbers `text` writes in scientific notation (see _SCIENTIFIC): "1.2e1" is 12."""
-    return {_scientific_value(m) for m in _SCIENTIFIC.finditer(text)}
+    """The values of the numbers `text` writes in scientific notation (see _SCIENTIFIC): "1.2e1" is 12. Read as
+    written and as _clean typesets it, a spaced sign after = joined to its number (as _quantities joins it): an answer
+    in scientific notation was matched as text in that typesetting before it was read by value, and
+    "6.02\\,\\times\\,10^{23}", "6.02 $\\times 10^{23}$" and "x = - 6.02e23" still give it away. A number of over
+    1000 digits the thin spaces grouped (1\\,000\\,000...) is none there either (_no_huge)."""
+    typeset = _no_huge(_SPACED_SIGN.sub(r"\1-", _clean(text)))
+    return {_scientific_value(m) for t in (text, typeset) for m in _SCIENTIFIC.finditer(t)}
 
 
 def _answer_value(answer: str) -> Fraction | None:
@@ -374,8 +383,7 @@ def _quantities(hint: str) -> str:
     hint's title echoes it (Level 2 hint:, Hint (level 2):, Level 2 (medium):, as the request describes it), and list
     labels (1. Let n be ...)."""
     h = _drop_list_labels(hint)
-    h = re.sub(r"(=\s*)-\s+(?=\.?\d|\\[dt]?frac)", r"\1-", h)  # x = - 5, x = - \frac{1}{2}: after =, a spaced minus
-    # is a sign, not a subtraction
+    h = _SPACED_SIGN.sub(r"\1-", h)  # x = - 5 is -5: a spaced minus after = is a sign
     h = re.sub(r"\{,\}", ",", h)
     h = re.sub(r"(?<=\d),?\\[,!;: ]\s*(?=\d{3}(?!\d))", ",", h)
     h = re.sub(r"[\^_]\s*(?:\{[^{}]*\}|-?\d+(?:\.\d+)?)", "p", h)  # a letter: x^2-4 stays a subtraction
@@ -408,7 +416,7 @@ def leaks(hint: str, answer: str) -> bool:
         few = _no_huge(hint)  # _values drops them itself, after _quantities has joined LaTeX's digit groups
         found = _values(_quantities(hint)) | _word_values(few) | _scientific_values(few)
         if (signed := _signed(hint)) is not None:  # "minus 7" and "is \u20147" are -7, and also 7
-            found |= _values(_quantities(signed))
+            found |= _values(_quantities(signed)) | _scientific_values(_no_huge(signed))
         return value in found or "%" in answer and value / 100 in found  # 17% is also 0.17
     ans = re.sub(r"\s", "", re.sub(_TEXT, r"\1", _clean(answer)))
     ans = re.sub(r"^\((\w)\)$", r"\1", ans)  # a choice: (C) is also written C

@@ -135,6 +135,16 @@ def req(pid="p1", level=3, answer="9"):
     ("so it is 1000 m", "1e3\\text{ m}", True),
     ("so it is 6.02e22 of them", "6.02e23", False),
     ("so it is 6.02 of them", "6.02e23", False),
+    # ... in the typesetting its text was found in before it was read by value: LaTeX's thin spaces, $ inside, a
+    # spaced sign after =; and under a sign in words or an em dash, as a number in digits is
+    ("so it is 6.02\\,\\times\\,10^{23} of them", "6.02\\times10^{23}", True),
+    ("so it is 1.5\\;\\cdot\\;10^{-3}", "1.5\\cdot10^{-3}", True),
+    ("so it is 3\\times 10^{\\,8} m/s", "3\\times10^{8}", True),
+    ("about 6.02 $\\times 10^{23}$ of them", "6.02\\times10^{23}", True),
+    ("so x = - 6.02 \\times 10^{23} here", "-6.02\\times10^{23}", True),
+    ("so it is minus 6.02e23", "-6.02e23", True),
+    ("so it is \u20146.02e23", "-6.02e23", True),
+    ("so it is 6.02\\,\\times\\,10^{22} of them", "6.02\\times10^{23}", False),
     # any other answer as a substring, in the same typesetting: \dfrac is \frac, \left( is (, thin spaces go
     ("the angle is \\frac{\\pi}{4} here", "\\dfrac{\\pi}{4}", True),
     ("the point \\left(1, 2\\right)", "(1,2)", True),
@@ -339,7 +349,8 @@ def test_leak_guard_gives_a_verdict_on_numbers_of_more_digits_than_python_reads(
     read, and an answer that long is matched as text."""
     digits = "7" * 5000
     for hint in (digits, ",".join(["100"] * 2000), "1." + digits, digits + "e1", digits + " thousand",
-                 "x = 1{,}" + "{,}".join(["000"] * 2000), "2 " + digits + "/3"):
+                 "x = 1{,}" + "{,}".join(["000"] * 2000), "2 " + digits + "/3",
+                 "\\,".join(["1"] + ["000"] * 1600) + " \\times 10^3"):  # thin spaces: one number where removed
         assert leaks(hint, "8") is False, hint[:20]
         assert leaks(f"it is 8, then {hint}", "8") is True, hint[:20]
     assert leaks(f"so {digits} it is", digits) and not leaks("so 7 it is", digits)
