@@ -21,6 +21,7 @@ import difflib
 import json
 import os
 import re
+import select
 import sys
 from pathlib import Path
 import typing
@@ -778,6 +779,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # `sage launch --dry-run | head`: the reader is gone, nothing left to tell it
+        if not _stdout_gone():  # a socket's or a child's pipe: a failure to show whole, as any other
+            raise
         # (Python's advice: point stdout at devnull so that its flush at exit does not raise again)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
@@ -793,6 +796,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: what was saved stays (a run resumes from its last checkpoint), no traceback
         print(f"sage {args.command}: stopped (Ctrl-C)", file=sys.stderr, flush=True)
         return 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader is gone (`sage spec | head -1`), where a BrokenPipeError is the end of
+    the output, not a failure: one raised by a socket (a teacher, a vLLM server) or a child's pipe is a failure to
+    show, and taken for the reader's it ended the command with status 1 and no word. Its output left to write fails
+    again, and poll() sees the pipe's error (POLLERR; a socket's POLLHUP); stdout that is no file (a caller's
+    StringIO) is none."""
+    try:
+        fd = sys.stdout.fileno()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return True
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation: no file; ValueError: closed
+        return False
+    if not hasattr(select, "poll"):  # Windows
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
 
 
 def _says_what_is_missing(e: ImportError | FileNotFoundError) -> bool:

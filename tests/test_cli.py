@@ -131,6 +131,24 @@ def test_output_to_a_closed_pipe_ends_quietly(tmp_path):
     assert err == ""
 
 
+def test_a_broken_pipe_not_of_stdout_is_a_failure_shown_whole():
+    """A BrokenPipeError of a socket (a teacher, a vLLM server gone) or of a child's pipe, stdout being read still, is a
+    failure like any other: its traceback is shown, and what the command printed stays (it was taken for the reader
+    gone: status 1, no word said, and stdout pointed at devnull)."""
+    code = ("import socket, sys\n"
+            "from sage_core import cli\n"
+            "def spec(args):\n"
+            "    print('written before', flush=True)\n"
+            "    a, b = socket.socketpair()\n"
+            "    b.close()\n"
+            "    a.sendall(b'x' * 100_000)\n"
+            "cli.cmd_spec = spec\n"
+            "sys.exit(cli.main(['spec']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 1 and r.stdout == "written before\n"
+    assert "in spec\nBrokenPipeError: " in r.stderr, r.stderr
+
+
 def test_spec_file_errors(capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
