@@ -184,24 +184,30 @@ def spec_params(params: dict[str, str], tags: dict[str, str]) -> dict[str, str]:
 
 RUN_COLUMNS = ["run_id", "run_name", "experiment_id", "status", "start_time", "end_time", "kind", "method",
                "hint_source", "model", "parent_run_id", "artifact_uri", "num_generations", "params", "metrics",
-               "last_step"]
+               "metric_steps", "last_step"]
 LAST_STEP_TAG = "sage.last_step"  # sage_core.tracking.LAST_STEP_TAG
 
 
-def _metrics_until(c, r, last: int | None) -> dict:
+def _metrics_until(c, r, last: int | None) -> tuple[dict, dict]:
     """A run's latest metric values, as of step `last` where it has one: MLflow's latest is the highest step's, a
-    killed attempt's point past the run's end (read again from the history only for those keys)."""
+    killed attempt's point past the run's end (read again from the history only for those keys). Returns them and
+    the step of each: which of several keys was logged last (a run resumed with another eval_k or eval_data holds
+    the earlier attempt's eval keys too, their last points at earlier steps)."""
     metrics = dict(r.data.metrics)
+    objs = getattr(r.data, "_metric_objs", None) or []  # each key's latest point, with its step
+    steps = {m.key: m.step for m in objs}
     if last is None:
-        return metrics
-    for m in getattr(r.data, "_metric_objs", None) or []:  # each key's latest point, with its step
+        return metrics, steps
+    for m in objs:
         if m.step > last:
             kept = [x for x in c.get_metric_history(r.info.run_id, m.key) if x.step <= last]
             if kept:
-                metrics[m.key] = max(kept, key=lambda x: (x.step, x.timestamp)).value
+                point = max(kept, key=lambda x: (x.step, x.timestamp))
+                metrics[m.key], steps[m.key] = point.value, point.step
             else:
                 metrics.pop(m.key, None)
-    return metrics
+                steps.pop(m.key, None)
+    return metrics, steps
 
 
 @st.cache_data(ttl=SEARCH_TTL, show_spinner=False)
@@ -225,6 +231,7 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
         # an ended run's last step (steps past it: a killed attempt's, resumed with a lower max_steps)
         last = int(t[LAST_STEP_TAG]) if r.info.status != "RUNNING" and str(t.get(LAST_STEP_TAG, "")).isdigit() \
             else None
+        metrics, steps = _metrics_until(c, r, last)
         rows.append({
             "run_id": r.info.run_id, "run_name": r.info.run_name or t.get("mlflow.runName", r.info.run_id[:8]),
             "experiment_id": r.info.experiment_id, "status": r.info.status,
@@ -238,7 +245,7 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
             "hint_source": "" if study else t.get("sage.hint_source", p.get("sage.hint_source", "")),
             "model": t.get("sage.model", p.get("sage.model", "")), "parent_run_id": t.get("mlflow.parentRunId", ""),
             "artifact_uri": r.info.artifact_uri, "num_generations": int(ng) if ng and str(ng).isdigit() else None,
-            "params": p, "metrics": _metrics_until(c, r, last),
+            "params": p, "metrics": metrics, "metric_steps": steps,
             "last_step": last,
         })
     df = pd.DataFrame(rows, columns=RUN_COLUMNS)

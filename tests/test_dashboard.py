@@ -289,6 +289,30 @@ def test_pages_stop_at_the_last_step_of_a_run_resumed_with_fewer_steps(monkeypat
     assert _metrics(at)["Steps"] == "2"  # the tracker files
 
 
+def test_runs_page_shows_the_last_eval_of_a_run_resumed_with_another_eval_k(monkeypatch, tmp_path):
+    """A run evaluated with eval_k=4 at step 2, resumed with eval_k=8 (and killed at step 6 before, a point past its
+    end, sage.last_step 4): "no-hint eval (last)" is the avg@8 of step 4. It was the first key's in name order, the
+    avg@4 of step 2 (reproduced with `sage train`: max_steps=2 eval_k=4, then max_steps=4 eval_k=8)."""
+    from mlflow.entities import Metric
+
+    from dashboards import data as D
+
+    try:
+        from tests.dashboard_fixtures import _experiment, _store
+    except ImportError:
+        from dashboard_fixtures import _experiment, _store
+
+    uri, client = _store(tmp_path)
+    exp = _experiment(client, tmp_path, "evalk")
+    rid = client.create_run(exp, run_name="evalk", tags={"sage.kind": "train", "sage.method": "sage-light"}).info.run_id
+    at4, at8 = "eval/during/synthetic-heldout/avg_at_4", "eval/during/synthetic-heldout/avg_at_8"
+    client.log_batch(rid, metrics=[Metric(at4, 0.25, 1000, 2), Metric(at8, 0.5, 3000, 4), Metric(at8, 0.75, 2000, 6)])
+    client.set_tag(rid, D.LAST_STEP_TAG, "4")
+    client.set_terminated(rid, "FINISHED")
+    at = _ok(_app(monkeypatch, uri).run())
+    assert _frame(at, "run_id").set_index("run_id").loc[rid, "no-hint eval (last)"] == 0.5
+
+
 def _killed_run_of_two_steps(tmp_path, experiment: str):
     """A sage run killed after step 2, every prompt all-0 without a hint and never solved at level 1: (store URI,
     client, run id, write(step, level, k), which writes a step's tracker file again: trained at `level`, k of 4

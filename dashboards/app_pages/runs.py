@@ -28,10 +28,12 @@ def _last(metrics: dict, key: str):
     return float(v) if v is not None else None
 
 
-def _last_eval(metrics: dict):
-    """The last no-hint avg@k of the eval while training (eval_every), of its first set; None without one."""
+def _last_eval(metrics: dict, steps: dict):
+    """The last no-hint avg@k of the eval while training (eval_every): of the key logged at the highest step (a run
+    resumed with another eval_k or eval_data keeps the earlier keys, their last points older), the first set's where
+    several were evaluated at that step; None without one."""
     keys = sorted(k for k in metrics if k.startswith("eval/during/") and "/avg_at_" in k)
-    return _last(metrics, keys[0]) if keys else None
+    return _last(metrics, max(keys, key=lambda k: steps.get(k, -1))) if keys else None
 
 
 base = D.mlflow_ui_url()
@@ -47,7 +49,7 @@ table = pd.DataFrame({
     "minutes": ((view["end_time"] - view["start_time"]).dt.total_seconds() / 60).round(1),
     "collapsed (last)": [_last(m, "sage/frac_collapsed") for m in view["metrics"]],
     "reward (last)": [_last(m, "reward") for m in view["metrics"]],
-    "no-hint eval (last)": [_last_eval(m) for m in view["metrics"]],
+    "no-hint eval (last)": [_last_eval(m, s) for m, s in zip(view["metrics"], view["metric_steps"])],
     "parent": view["parent_run_id"].str[:8],
     "selected": view["run_id"].isin(ctx.selected),
     "mlflow": [D.run_url(r, e, base) for r, e in zip(view["run_id"], view["experiment_id"])],
