@@ -73,7 +73,7 @@ GATE_METRICS = ["sage/frac_all_zero", "sage/frac_all_one", "sage/frac_rescued", 
 METRIC_LABELS = {
     "sage/frac_all_zero": "collapsed all-0 (before hints)",
     "sage/frac_all_one": "collapsed all-1 (before hints)",
-    "sage/frac_rescued": "rescued by hints",
+    "sage/frac_rescued": "rescued",  # by a hint, or a curation method's re-roll or swap
     "sage/frac_open": "open gate, trained (after hints)",
     "sage/adv_energy": "advantage energy",
     "sage/frac_collapsed": "collapsed before hints",

@@ -450,7 +450,7 @@ def test_real_run_gate_page_shows_the_logged_means(monkeypatch, real_store):
     assert shown["Collapsed before hints"] == f"{np.mean(logged['sage/frac_collapsed']):.3f}"
     assert shown["All-0 groups"] == f"{np.mean(logged['sage/frac_all_zero']):.3f}"
     assert shown["All-1 groups"] == f"{np.mean(logged['sage/frac_all_one']):.3f}"
-    assert shown["Rescued by hints"] == f"{np.mean(logged['sage/frac_rescued']):.3f}"
+    assert shown["Rescued"] == f"{np.mean(logged['sage/frac_rescued']):.3f}"
     assert shown["Open after hints"] == f"{np.mean(logged['sage/frac_open']):.3f}"
     assert shown["Advantage energy"] == f"{np.mean(logged['sage/adv_energy']):.3f}"
     assert shown["Group size G"] == "4"

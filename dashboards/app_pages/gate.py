@@ -1,5 +1,6 @@
-"""Gate statistics: collapsed groups before hints (all-0 / all-1), groups rescued by hints, advantage energy per step,
-and the empirical gate-open rate per pass-rate bin against u(p) = 1-(1-p)^G-p^G."""
+"""Gate statistics: collapsed groups before hints (all-0 / all-1), groups rescued (by hints, or by a curation
+method's extra rollouts or swapped-in prompts), advantage energy per step, and the empirical gate-open rate per
+pass-rate bin against u(p) = 1-(1-p)^G-p^G."""
 
 from __future__ import annotations
 
@@ -53,7 +54,10 @@ else:
                    help="mean over steps of sage/frac_collapsed (all-0 + all-1)")
     cols[1].metric("All-0 groups", fmt(first["all-0"]), help="mean of sage/frac_all_zero")
     cols[2].metric("All-1 groups", fmt(first["all-1"]), help="mean of sage/frac_all_one")
-    cols[3].metric("Rescued by hints", fmt(first["rescued"]), help="mean of sage/frac_rescued")
+    cols[3].metric("Rescued", fmt(first["rescued"]),
+                   help="mean of sage/frac_rescued: batch slots whose first rollout collapsed and that trained a group "
+                   "with mixed rewards: by a hint (SAGE, SAGE-LIGHT), or by more rollouts or a fresh prompt in its "
+                   "place (the curation methods, which use no hint)")
     cols[4].metric("Open after hints", fmt(first["open after hints"]),
                    help="mean of sage/frac_open: groups trained with mixed rewards, the ones that carry gradient")
     cols[5].metric("Advantage energy", fmt(first["adv energy"]), help="mean of sage/adv_energy")
@@ -87,7 +91,7 @@ else:
         if not resc.empty:
             area = area + alt.Chart(resc).mark_line(color="black", strokeDash=[4, 2]).encode(
                 x=D.step_x(), y="value:Q", tooltip=["step", alt.Tooltip("value:Q", format=".3f", title="rescued")])
-        st.caption(f"Collapsed before hints, stacked, and rescued by hints (dashed) · {ctx.label(picked[0])}")
+        st.caption(f"Collapsed before hints, stacked, and rescued (dashed) · {ctx.label(picked[0])}")
         st.altair_chart(area, key="gate_split")
 
 st.subheader("Gate-open rate vs pass rate")
