@@ -184,8 +184,18 @@ def spec_params(params: dict[str, str], tags: dict[str, str]) -> dict[str, str]:
 
 RUN_COLUMNS = ["run_id", "run_name", "experiment_id", "status", "start_time", "end_time", "kind", "method",
                "hint_source", "model", "parent_run_id", "artifact_uri", "num_generations", "params", "metrics",
-               "metric_steps", "last_step"]
+               "metric_steps", "last_step", "last_active"]
 LAST_STEP_TAG = "sage.last_step"  # sage_core.tracking.LAST_STEP_TAG
+REOPENED_TAG = "sage.reopened_at"  # sage_core.tracking.REOPENED_TAG (a test keeps them equal)
+
+
+def last_active(start_ms: int | None, end_ms: int | None, tags: dict[str, str]) -> pd.Timestamp:
+    """When a run was last seen active: the latest of its start, its end and its last reopening (REOPENED_TAG), as
+    sage_core.tracking.last_active reads it (a run reopened keeps its first start, and while RUNNING its earlier
+    attempt's end), so that the Variant comparison page opens on the study `python -m flows.report` reports."""
+    reopened = str(tags.get(REOPENED_TAG, ""))
+    ms = max(start_ms or 0, end_ms or 0, int(reopened) if reopened.isdigit() else 0)
+    return pd.to_datetime(ms, unit="ms", utc=True) if ms else pd.NaT
 
 
 def _metrics_until(c, r, last: int | None) -> tuple[dict, dict]:
@@ -246,10 +256,11 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
             "model": t.get("sage.model", p.get("sage.model", "")), "parent_run_id": t.get("mlflow.parentRunId", ""),
             "artifact_uri": r.info.artifact_uri, "num_generations": int(ng) if ng and str(ng).isdigit() else None,
             "params": p, "metrics": metrics, "metric_steps": steps,
-            "last_step": last,
+            "last_step": last, "last_active": last_active(r.info.start_time, r.info.end_time, t),
         })
     df = pd.DataFrame(rows, columns=RUN_COLUMNS)
-    for col in ("start_time", "end_time"):  # a column of NaT only (every run still running) is tz-aware too
+    for col in ("start_time", "end_time", "last_active"):  # a column of NaT only (every run still running) is
+        # tz-aware too
         df[col] = pd.to_datetime(df[col], utc=True)
     return df
 

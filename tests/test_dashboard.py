@@ -744,6 +744,39 @@ def test_variants_page_keeps_two_runs_of_one_name_apart(monkeypatch, tmp_path):
     assert all(any(r[:8] in v for v in table["variant"]) for r in (a, b))
 
 
+def test_variants_page_opens_on_the_study_last_active(monkeypatch, tmp_path):
+    """The page opens on the study started, reopened or ended last, as `python -m flows.report` reports it
+    (sage_core.tracking.last_active): a study run again reopens its own run, which keeps its first start, so by start
+    time the page opened on another study, ended before the reopening."""
+    try:
+        from tests.dashboard_fixtures import _experiment, _store
+    except ImportError:
+        from dashboard_fixtures import _experiment, _store
+    from dashboards import data as D
+    from sage_core import tracking
+
+    uri, client = _store(tmp_path)
+    exp = _experiment(client, tmp_path, "studies")
+    old = client.create_run(exp, run_name="first", start_time=1_000, tags={"sage.kind": "study"}).info.run_id
+    client.set_terminated(old, "FINISHED", end_time=2_000)
+    new = client.create_run(exp, run_name="second", start_time=3_000, tags={"sage.kind": "study"}).info.run_id
+    client.set_terminated(new, "FINISHED", end_time=4_000)
+    at = _ok(_app(monkeypatch, uri).run())
+    _ok(at.switch_page(PAGES["variants"]).run())
+    assert at.selectbox(key="variants_study").value == new
+    client.update_run(old, "RUNNING")  # the first study run again: tracking.open_run reopens it
+    client.set_tag(old, D.REOPENED_TAG, "5000")
+    assert D.REOPENED_TAG == tracking.REOPENED_TAG
+    for rid in (old, new):
+        run = client.get_run(rid)
+        assert D.last_active(run.info.start_time, run.info.end_time, run.data.tags) == pd.to_datetime(
+            tracking.last_active(run), unit="ms", utc=True)
+    D.runs.clear()
+    at = _ok(_app(monkeypatch, uri).run())
+    _ok(at.switch_page(PAGES["variants"]).run())
+    assert at.selectbox(key="variants_study").value == old
+
+
 def test_variants_eval_table_has_a_row_per_k(monkeypatch, tmp_path):
     """A run evaluated again with another eval_k has both k in eval/eval.parquet: one row each, never their mean."""
     try:

@@ -14,7 +14,8 @@ NO_HINT = "no-hint accuracy (training groups)"
 ctx = D.context()
 st.title("Variant comparison")
 runs = ctx.runs
-studies = runs[runs["kind"] == "study"]
+# the study last active first (started, reopened or ended last), as `python -m flows.report` picks it
+studies = runs[runs["kind"] == "study"].sort_values("last_active", ascending=False, kind="stable")
 by_parent = runs[runs["parent_run_id"] != ""]
 parents = list(studies["run_id"]) + [p for p in by_parent["parent_run_id"].unique()
                                      if p in set(runs["run_id"]) and p not in set(studies["run_id"])]
