@@ -275,6 +275,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise SpecError(f"--output-dir {out}: cannot be created ({e.strerror})") from None
+    from .spec import RunFolderTaken, run_folder_lock
+
+    try:  # held from before the MLflow run is opened (or forgotten, with --no-resume) to the result's file
+        with run_folder_lock(out):
+            return _train_in(spec, out, args)
+    except RunFolderTaken as e:  # another process trains there
+        raise SpecError(f"--output-dir {e}") from None
+
+
+def _train_in(spec, out: Path, args: argparse.Namespace) -> int:
+    """cmd_train in its run folder, held (spec.run_folder_lock)."""
     if _is_main_process():
         print(f"sage train: method={spec.method} model={spec.model} steps={spec.max_steps} -> {out}", flush=True)
     callbacks, run_id = _open_tracking(spec, out, args)

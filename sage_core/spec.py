@@ -6,9 +6,12 @@ when the CLI parses it, with a message that names the field.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Literal
 
@@ -282,6 +285,45 @@ def check_run_folder(spec: RunSpec, out: str | Path) -> None:
                              "with --no-resume, delete: pick another output dir")
     if changed := spec_changes(spec, out):
         raise RunFolderTaken(f"{out} holds a run of another spec ({'; '.join(changed)})")
+
+
+RUN_LOCK = ".sage_train.lock"  # in a run folder: locked (flock) by the process training there, its pid inside
+_HELD: set[tuple[Path, int]] = set()  # (run folder, thread) this process holds: a nested hold is the same one
+
+
+@contextlib.contextmanager
+def run_folder_lock(out: str | Path):
+    """Hold run folder `out` (`<out>/.sage_train.lock`, made with the folder) while this process trains there: a
+    second `sage train` or train() into a folder another process (or thread) holds raises RunFolderTaken naming it
+    and the process, before it opens an MLflow run or touches the folder. Two at once trained the same steps into
+    one folder's checkpoints and tracker files, each in an MLflow run of its own (mlflow_run_id named one), and a
+    --no-resume one deleted the other's checkpoints. A hold nested in the same thread (the CLI's, then train()'s)
+    is the one already held. Only the main process (RANK 0) takes it: every rank of a launch trains there. The
+    kernel drops it when the process ends, SIGKILL included (the file stays, unlocked)."""
+    out = Path(out).resolve()
+    me = (out, threading.get_ident())
+    if int(os.environ.get("RANK", "0")) != 0 or me in _HELD:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / RUN_LOCK, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip()
+            raise RunFolderTaken(f"{out} is being trained by another process{f' (pid {holder})' if holder else ''}: "
+                                 "wait for it to end (it resumes from its checkpoints), or train in another output "
+                                 "dir") from None
+        fh.truncate(0)
+        fh.write(str(os.getpid()))
+        fh.flush()
+        _HELD.add(me)
+        try:
+            yield
+        finally:
+            _HELD.discard(me)
+            fh.truncate(0)  # the lock goes with the file's close
 
 
 def has_trained(out: str | Path) -> bool:

@@ -22,7 +22,7 @@ import pandas as pd
 from transformers import TrainerCallback, TrainerState
 
 from .lora import ADAPTER_DIR, check_targets, merge_adapter, peft_config, record_base
-from .spec import RunSpec, check_run_folder, layout_error, spec_changes
+from .spec import RunSpec, check_run_folder, layout_error, run_folder_lock, spec_changes
 
 log = logging.getLogger(__name__)
 
@@ -461,11 +461,13 @@ def _spans(steps: list[int], most: int = 8) -> str:
 def train(spec: RunSpec, output_dir: str | Path, callbacks=(), resume: bool = True) -> TrainResult:
     """Train one run. With resume=True a run whose output_dir holds a checkpoint continues from it (optimizer,
     step, and the scheduler/tracker state kept in the checkpoint or replayed from the tracker files). An output_dir
-    holding a run of another spec is refused (RunFolderTaken) before anything is written. Ended by an exception,
-    each callback with an `end_run` is told (a tracking callback that opened its MLflow run itself ends it KILLED or
-    FAILED)."""
+    holding a run of another spec is refused (RunFolderTaken) before anything is written, as is one another process
+    trains in (spec.run_folder_lock, held until this returns). Ended by an exception, each callback with an
+    `end_run` is told (a tracking callback that opened its MLflow run itself ends it KILLED or FAILED)."""
     try:
-        return _train(spec, output_dir, callbacks, resume)
+        check_run_folder(spec, output_dir)  # before the lock's file is made there
+        with run_folder_lock(output_dir):
+            return _train(spec, output_dir, callbacks, resume)
     except BaseException as e:
         for cb in callbacks:
             if hasattr(cb, "end_run"):

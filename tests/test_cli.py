@@ -507,6 +507,36 @@ def test_train_no_resume_with_mlflow_opens_a_new_run(capsys, tmp_path, monkeypat
     assert json.loads((out / "train_result.json").read_text())["mlflow_run_id"] not in ids
 
 
+def test_train_into_a_folder_another_process_trains_in_exits_2_and_touches_nothing(capsys, tmp_path, monkeypatch):
+    """Two `sage train` into one output dir at once both trained the same steps into its checkpoints and tracker
+    files, each in an MLflow run of its own (mlflow_run_id named one of them). The second is refused, naming the
+    folder and the process training there, before it opens an MLflow run or starts over (--no-resume deletes);
+    once that process is gone (any way it ends: the kernel drops its lock) the folder trains again."""
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
+    calls = _fake_train(monkeypatch)
+    out = tmp_path / "run"
+    (out / "checkpoint-1").mkdir(parents=True)
+    (out / "spec.json").write_text(cli.build_spec(cli.DEFAULT_PRESET, None, ["max_steps=2"]).model_dump_json())
+    (out / "mlflow_run_id").write_text("the-other-run\n")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from sage_core.spec import run_folder_lock\n"
+                               f"with run_folder_lock({str(out)!r}):\n print('held', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rc, _, err = run_cli(capsys, "train", "--set", "max_steps=2", "--output-dir", str(out), "--mlflow",
+                             "--no-resume")
+    finally:
+        holder.communicate("")
+    assert rc == 2 and not calls, err
+    assert f"--output-dir {out} is being trained by another process (pid {holder.pid})" in err, err
+    assert (out / "checkpoint-1").is_dir() and (out / "mlflow_run_id").read_text() == "the-other-run\n"
+    assert not (tmp_path / "home").exists()  # no MLflow store was opened
+    rc, _, err = run_cli(capsys, "train", "--set", "max_steps=2", "--output-dir", str(out))
+    assert rc == 0 and calls["output_dir"] == out, err
+
+
 def test_every_command_starts_from_the_tiny_cpu_preset(capsys, tmp_path, monkeypatch):
     """Without --preset, `sage train` trains the spec `sage spec` shows (the tiny-cpu preset's), in its folder;
     every command defaults to that preset and says so in its --help."""

@@ -1,5 +1,6 @@
 """RunSpec: values that would train nonsense are refused when the spec is made, naming the field."""
 
+import os
 import re
 
 import pytest
@@ -46,6 +47,46 @@ def test_a_gguf_file_for_a_model_with_no_folder_to_hold_it_is_refused(model, wha
                                               f"'{re.escape(model)}' is {what}: drop gguf_file"):
         RunSpec(model=model, gguf_file="x.gguf")
     assert RunSpec(model="/m/folder", gguf_file="x.gguf").gguf_file == "x.gguf"
+
+
+def test_a_run_folder_is_held_by_one_trainer_at_a_time(tmp_path, monkeypatch):
+    """run_folder_lock: train() (and `sage train`) hold their output dir; another thread or process is refused
+    naming the folder, a hold nested in the same thread (the CLI's, then train()'s) is the one held, a rank other
+    than the main process takes none (every rank trains there), and the hold ends with the block."""
+    import threading
+
+    from sage_core.spec import RunFolderTaken, run_folder_lock
+    from sage_core.train import train
+
+    out, errors = tmp_path / "run", []
+
+    def other():
+        try:
+            with run_folder_lock(out):
+                pass
+        except RunFolderTaken as e:
+            errors.append(str(e))
+
+    with run_folder_lock(out):
+        with run_folder_lock(out):  # nested: the same hold
+            pass
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert errors == [f"{out} is being trained by another process (pid {os.getpid()}): wait for it to end (it "
+                          "resumes from its checkpoints), or train in another output dir"]
+        monkeypatch.setenv("RANK", "1")
+        with run_folder_lock(out):
+            pass
+        monkeypatch.delenv("RANK")
+        errors.clear()
+        thread = threading.Thread(target=lambda: errors.append(pytest.raises(RunFolderTaken, train, RunSpec(), out)))
+        thread.start()
+        thread.join()
+        assert "is being trained by another process" in str(errors[0].value)
+    errors.clear()
+    other()
+    assert errors == []
 
 
 def test_a_folder_that_is_no_runs_is_refused_when_training_would_write_over_its_files(tmp_path):
