@@ -264,7 +264,11 @@ def _end_run(run_id: str | None, error: BaseException) -> None:
     if run_id is not None:
         from .tracking import end_status, finish_run
 
-        finish_run(run_id, status=end_status(error))
+        try:
+            finish_run(run_id, status=end_status(error))
+        except Exception as why:  # noqa: BLE001 - a store that refuses it (the error that ended training is raised)
+            print(f"sage: MLflow run {run_id} could not be ended ({type(why).__name__}: {str(why).splitlines()[0]})",
+                  file=sys.stderr, flush=True)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -289,6 +293,7 @@ def _train_in(spec, out: Path, args: argparse.Namespace) -> int:
     if _is_main_process():
         print(f"sage train: method={spec.method} model={spec.model} steps={spec.max_steps} -> {out}", flush=True)
     callbacks, run_id = _open_tracking(spec, out, args)
+    from .tracking import TrackingError
     from .train import LayoutError, shutdown_distributed, strict_json, train
 
     with _sigterm_raises("train"):
@@ -304,6 +309,9 @@ def _train_in(spec, out: Path, args: argparse.Namespace) -> int:
             _end_run(run_id, e)
             if isinstance(e, LayoutError):  # the spec does not split over the processes this run was started with
                 raise SpecError(str(e)) from None
+            if isinstance(e, TrackingError):  # trained and saved; the store refused the last logs: kept, no traceback
+                print(f"sage train: {e}", file=sys.stderr, flush=True)
+                return 1
             raise
         if run_id is not None:
             from .tracking import finish_run

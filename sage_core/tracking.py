@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXPERIMENT = "sage"
 RUN_ID_FILE = "mlflow_run_id"
+PENDING_FILE = "mlflow_pending.json"  # in an output dir: metric batches MLflow refused, sent by the next attempt
 COMPLETE_TAG = "sage.complete"
 LAST_STEP_TAG = "sage.last_step"  # the step the run's model was trained to (set when training ends)
 RESUMED_PREFIX = "sage.resumed."  # + field: the value of a field changed when the run was reopened
@@ -644,6 +645,11 @@ def compare_url(run_ids: Sequence[str], experiment_id: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- callback
+class TrackingError(RuntimeError):
+    """The MLflow store refused a run's last logs once its model was saved: nothing is lost (PENDING_FILE keeps the
+    metrics), the message says where they are and how they are sent."""
+
+
 class MlflowTrackingCallback(TrainerCallback):
     """Trainer callback: metrics per step, tracker Parquet files, final checkpoint, all into one MLflow run.
 
@@ -687,6 +693,7 @@ class MlflowTrackingCallback(TrainerCallback):
                 self.run_id, _ = resume_or_create_run(self.spec, "train", self.output_dir, self.experiment)
                 self.owns_run = True
         self.run_id = active_run_id(self.run_id)
+        self.pending = self._kept_pending() + self.pending
         try:
             self.uploaded = {Path(a.path).name for a in client().list_artifacts(self.run_id, self.tracker_subdir)}
         except Exception:  # noqa: BLE001 - an unreadable artifact store only means re-uploading
@@ -719,6 +726,34 @@ class MlflowTrackingCallback(TrainerCallback):
         client().set_tag(self.run_id, "sage.prompts_dropped", str(n))
         return n
 
+    def _pending_path(self) -> Path | None:
+        return self.output_dir / PENDING_FILE if self.output_dir is not None else None
+
+    def _kept_pending(self) -> list[tuple[dict[str, float], int, int]]:
+        """The metric batches an earlier attempt of this run could not log (PENDING_FILE; [] for another run's)."""
+        try:
+            kept = json.loads(self._pending_path().read_text())
+        except (AttributeError, OSError, ValueError):
+            return []
+        return [(m, int(step), int(ts)) for m, step, ts in kept["pending"]] if kept.get("run_id") == self.run_id else []
+
+    def _keep_pending(self) -> None:
+        """`pending` in PENDING_FILE (replaced whole; removed when empty): a process that ends before MLflow takes
+        them (killed, or ended by the store's error) lost them, and the steps they are of, up to its checkpoint, are
+        not trained again: the next attempt in this output dir sends them."""
+        if (path := self._pending_path()) is None:
+            return
+        try:
+            if not self.pending:
+                path.unlink(missing_ok=True)
+                return
+            tmp = path.with_name(f".{PENDING_FILE}.{os.getpid()}")
+            tmp.write_text(json.dumps({"run_id": self.run_id, "pending": self.pending}))
+            tmp.replace(path)
+        except OSError as e:
+            log.warning("%s could not be written (%s): %d metric batches MLflow refused are kept in memory only",
+                        path, e, len(self.pending))
+
     def flush(self) -> None:
         """Log the metrics MLflow refused so far (in order; each batch dropped from `pending` once logged)."""
         while self.pending:
@@ -737,8 +772,10 @@ class MlflowTrackingCallback(TrainerCallback):
             self.pending.append((metrics, int(step or 0), int(time.time() * 1000)))
         try:
             self.flush()
+            self._keep_pending()
             self.upload_tracker_files()
         except (MlflowException, OSError) as e:
+            self._keep_pending()
             log.warning("MLflow run %s: logging failed at step %s (%s: %s); %d metric batches and the tracker files "
                         "not uploaded yet are sent again at the next step", self.run_id, step, type(e).__name__,
                         str(e)[:200], len(self.pending))
@@ -753,6 +790,8 @@ class MlflowTrackingCallback(TrainerCallback):
             # a resumed run trains the steps after its checkpoint again: their files are uploaded again when
             # written (the run's copies, from before a kill, belong to the discarded trajectory)
             self.uploaded = {n for n in self.uploaded if (step_of(n) or 0) <= state.global_step}
+            # and so are the metrics an earlier attempt kept of them (PENDING_FILE)
+            self.pending = [p for p in self.pending if p[1] <= state.global_step]
             self.log_dropped_prompts()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -780,9 +819,23 @@ class MlflowTrackingCallback(TrainerCallback):
         Trainer hook first: its output dir is final/'s folder, and tracker files not in the MLflow run yet go up;
         final/ goes up unless the run has it already (its `sage.checkpoint_step` is this step: a finished run entered
         again, whose model is not copied to the artifact store once more)."""
+        from mlflow.exceptions import MlflowException
+
         if self.output_dir is None:  # no on_train_begin gave it (sage_core.train's done path trains nothing)
             self.output_dir = Path(final).parent
         self._setup()
+        try:
+            self._log_final_model(final, global_step)
+        except (MlflowException, OSError) as e:  # the metrics it refused were lost with the process, for good (a
+            self._keep_pending()  # finished run trains no step again): kept for the next attempt
+            raise TrackingError(
+                f"MLflow run {self.run_id}: the store {shown_uri()} refused the run's last logs ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}); the model is trained and saved in {final}"
+                + (f", and the {len(self.pending)} metric batches not logged are kept in {self._pending_path()}"
+                   if self.pending else "") + ": run the same training again (it trains nothing more) to send "
+                "them") from e
+
+    def _log_final_model(self, final: Path, global_step: int) -> None:
         # the run's last step: metric points and tracker/ files past it are a killed attempt's, never trained again
         # (resumed with a lower max_steps or rollout_budget); MLflow cannot delete them, the dashboard leaves them out
         client().set_tag(self.run_id, LAST_STEP_TAG, str(global_step))
@@ -795,6 +848,7 @@ class MlflowTrackingCallback(TrainerCallback):
         # what MLflow refused while training, and the tracker files it lacks (all of them, where nothing trained
         # now), once the model is saved (an error here loses no training)
         self.flush()
+        self._keep_pending()
         self.upload_tracker_files()
         if self.owns_run:
             finish_run(self.run_id)

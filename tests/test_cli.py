@@ -537,6 +537,26 @@ def test_train_into_a_folder_another_process_trains_in_exits_2_and_touches_nothi
     assert rc == 0 and calls["output_dir"] == out, err
 
 
+def test_train_whose_store_refused_its_last_logs_exits_1_saying_where_they_are(capsys, tmp_path, monkeypatch):
+    """A model trained and saved whose MLflow store refused the last logs (sqlite 'database is locked') ended with
+    MLflow's chained tracebacks, and the store refused ending the run too (a second traceback in the handler): the
+    command says what is kept where (tracking.TrackingError) and exits 1."""
+    from sage_core import tracking
+
+    def fake_train(spec, output_dir, callbacks=(), resume=True):
+        raise tracking.TrackingError("MLflow run r: the store refused the run's last logs; kept in X")
+
+    monkeypatch.setitem(sys.modules, "sage_core.train", __import__("types").SimpleNamespace(
+        train=fake_train, shutdown_distributed=lambda: None, LayoutError=type("LayoutError", (ValueError,), {}),
+        strict_json=strict_json))
+    monkeypatch.setattr(cli, "_open_tracking", lambda *a: ([], "r"))
+    monkeypatch.setattr(tracking, "finish_run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("locked")))
+    rc, _, err = run_cli(capsys, "train", "--set", "max_steps=2", "--output-dir", str(tmp_path / "run"))
+    assert rc == 1 and "Traceback" not in err
+    assert err.splitlines() == ["sage: MLflow run r could not be ended (RuntimeError: locked)",
+                                "sage train: MLflow run r: the store refused the run's last logs; kept in X"]
+
+
 def test_every_command_starts_from_the_tiny_cpu_preset(capsys, tmp_path, monkeypatch):
     """Without --preset, `sage train` trains the spec `sage spec` shows (the tiny-cpu preset's), in its folder;
     every command defaults to that preset and says so in its --help."""

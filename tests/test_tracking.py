@@ -410,6 +410,50 @@ def test_an_mlflow_store_failing_for_a_while_does_not_end_the_training(store, tm
     assert len(tracking.client().list_artifacts(rid, "tracker")) == 3
 
 
+def test_metrics_the_store_refused_at_the_end_are_kept_for_the_next_attempt(store, tmp_path, monkeypatch):
+    """A store still refusing when training ended (a locked sqlite file, reproduced with a second process holding
+    it) lost the metrics it had refused for good: they lived in the process, which then failed with MLflow's
+    traceback, and the run entered again trains nothing (the step was checkpointed). They are kept in the output
+    dir's mlflow_pending.json, the error says so, and the next attempt's callback sends them; a resumed attempt
+    drops those of steps after its checkpoint (trained, and logged, again)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    tdir, rid, args, ctl, cb = _started_callback(tmp_path, RunSpec(max_steps=2), "t-pending")
+    down = {"now": False}
+    for name in ("log_batch", "set_tag"):
+        def call(self, *a, _real=getattr(MlflowClient, name), **k):
+            if down["now"]:
+                raise MlflowException("(sqlite3.OperationalError) database is locked\n[SQL: SELECT runs.run_uuid]")
+            return _real(self, *a, **k)
+        monkeypatch.setattr(MlflowClient, name, call)
+    for step in (1, 2):
+        down["now"] = step == 2
+        cb.on_log(args, _state(step), ctl, logs={"reward": float(step)})
+    kept = tdir.parent / tracking.PENDING_FILE
+    with pytest.raises(tracking.TrackingError, match=rf"MLflow run {rid}: the store .* refused the run's last logs "
+                       r"\(MlflowException: \(sqlite3.OperationalError\) database is locked\); the model is trained "
+                       rf"and saved in .*final, and the 1 metric batches not logged are kept in {kept}: run the same"):
+        cb.log_final_model(tdir.parent / "final", 2)
+    down["now"] = False
+    history = lambda: sorted((m.step, m.value) for m in tracking.client().get_metric_history(rid, "reward"))  # noqa: E731
+    assert history() == [(1, 1.0)] and kept.is_file()
+    again = tracking.MlflowTrackingCallback(run_id=rid, output_dir=tdir.parent, log_checkpoint=False)
+    again.log_final_model(tdir.parent / "final", 2)  # the run entered again: done, nothing trained
+    assert history() == [(1, 1.0), (2, 2.0)] and not kept.exists()
+    # kept metrics of a step after the checkpoint a resume starts from are the killed attempt's: not sent
+    kept.write_text(json.dumps({"run_id": rid, "pending": [[{"reward": 9.0}, 1, 0], [{"reward": 9.0}, 3, 0]]}))
+    resumed = tracking.MlflowTrackingCallback(run_id=rid, output_dir=tdir.parent, log_checkpoint=False)
+    resumed.on_train_begin(args, _state(2), ctl)
+    resumed.on_log(args, _state(3), ctl, logs={"reward": 3.0})
+    assert history() == [(1, 1.0), (1, 9.0), (2, 2.0), (3, 3.0)] and not kept.exists()
+    # another run's kept metrics are not this run's
+    kept.write_text(json.dumps({"run_id": "another", "pending": [[{"reward": 7.0}, 1, 0]]}))
+    tracking.MlflowTrackingCallback(run_id=rid, output_dir=tdir.parent, log_checkpoint=False).on_train_begin(
+        args, _state(3), ctl)
+    assert history() == [(1, 1.0), (1, 9.0), (2, 2.0), (3, 3.0)]
+
+
 def test_callback_logs_the_prompts_left_out_for_length(store, tmp_path):
     out = tmp_path / "train"
     out.mkdir()
