@@ -309,6 +309,11 @@ def _train_in(spec, out: Path, args: argparse.Namespace) -> int:
             _end_run(run_id, e)
             if isinstance(e, LayoutError):  # the spec does not split over the processes this run was started with
                 raise SpecError(str(e)) from None
+            if (full := _disk_full(out, e)) is not None:  # torch's error for it names neither the disk nor the path
+                print(f"sage train: writing to {out} failed: {full} ({type(e).__name__}: {str(e).strip()[:200]}); what "
+                      "was saved before stays: make room, then run the same command again (it resumes from the last "
+                      "whole checkpoint)", file=sys.stderr, flush=True)
+                return 1
             if isinstance(e, TrackingError):  # trained and saved; the store refused the last logs: kept, no traceback
                 print(f"sage train: {e}", file=sys.stderr, flush=True)
                 return 1
@@ -334,6 +339,31 @@ def _train_in(spec, out: Path, args: argparse.Namespace) -> int:
     if summary:  # as summary.json has it: a value not measured (NaN) is null, which strict JSON readers take
         print(json.dumps(strict_json(summary), indent=2, default=repr, allow_nan=False), flush=True)
     return 0
+
+
+FULL_BELOW = 1 << 20  # bytes free under which a failed write is taken for a full disk
+
+
+def _disk_full(out: Path, error: BaseException) -> str | None:
+    """Why `error`, which ended a training writing into `out`, is the disk's doing, in words (None: it is not): an
+    OSError of a full or read-only disk in its chain, or an OSError or RuntimeError (torch.save's, on a full disk:
+    'unexpected pos 590144 vs 590036') raised while the disk holding `out` has under FULL_BELOW bytes free."""
+    import errno
+
+    seen, e = [], error
+    while e is not None and e not in seen:
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            return f"{e.strerror} ({e.filename or out})"
+        e = e.__cause__ or e.__context__
+    if not isinstance(error, (OSError, RuntimeError)):
+        return None
+    try:
+        st = os.statvfs(out)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    return f"the disk holding it is full ({free} bytes free)" if free < FULL_BELOW else None
 
 
 def parse_benchmarks(pairs: list[str]) -> dict[str, str]:
