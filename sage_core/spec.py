@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -315,6 +316,12 @@ def run_folder_lock(out: str | Path):
             raise RunFolderTaken(f"{out} is being trained by another process{f' (pid {holder})' if holder else ''}: "
                                  "wait for it to end (it resumes from its checkpoints), or train in another output "
                                  "dir") from None
+        except OSError as e:  # a cluster's file system without flock (Lustre mounted without it, NFS without lockd:
+            # ENOLCK, EOPNOTSUPP, ENOSYS): train unheld, as before the lock, rather than not at all
+            logging.getLogger(__name__).warning("%s: not held against a second trainer: its file system does not "
+                                                "lock files (%s)", out, e.strerror or e)
+            yield
+            return
         fh.truncate(0)
         fh.write(str(os.getpid()))
         fh.flush()

@@ -89,6 +89,28 @@ def test_a_run_folder_is_held_by_one_trainer_at_a_time(tmp_path, monkeypatch):
     assert errors == []
 
 
+
+def test_a_run_folder_on_a_file_system_without_locks_is_trained_unheld(tmp_path, monkeypatch, caplog):
+    """A cluster's file system that does not lock files (flock: ENOLCK on NFS without lockd, EOPNOTSUPP on Lustre
+    mounted without flock) trains unheld, with a warning naming the folder: it raised the OSError, and no run
+    could train there."""
+    import errno
+    import fcntl
+
+    from sage_core.spec import run_folder_lock
+
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    ran = []
+    with caplog.at_level("WARNING", logger="sage_core.spec"), run_folder_lock(tmp_path / "run"):
+        ran.append(True)
+    assert ran == [True]
+    assert f"{tmp_path / 'run'}: not held against a second trainer: its file system does not lock files (No locks " \
+           "available)" in caplog.text
+
+
 def test_a_folder_that_is_no_runs_is_refused_when_training_would_write_over_its_files(tmp_path):
     """TRL writes its model card README.md into the output dir, and train() a summary.json: a user's folder holding
     such files is refused (they were overwritten); other files, an empty folder or a new one are fine."""
