@@ -1141,3 +1141,29 @@ def test_the_cached_before_eval_is_taken_again_when_what_decides_it_changed(pref
     before(spec, {"a": [{"x": 1}]})
     before(spec, {"a": [{"x": 1}]})
     assert calls[4:] == [(2, spec.eval_temperature, ["a"])]
+
+
+def test_a_flow_trains_unheld_on_a_file_system_without_locks(tmp_path, monkeypatch):
+    """common.run_folder_lock on a file system that does not lock files (flock: ENOLCK on NFS without lockd,
+    EOPNOTSUPP on Lustre mounted without flock) lets the flow train, with a warning naming the folder: it raised the
+    OSError, and the flow failed before training."""
+    import errno
+    import fcntl
+    import logging
+
+    def no_locks(*_):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    warned = []
+
+    class Logger(logging.Logger):
+        def warning(self, msg, *args, **kwargs):
+            warned.append(msg % args)
+
+    ran = []
+    with common.run_folder_lock(tmp_path / "runs" / "sage-x", "sage-x", Logger("flow")):
+        ran.append(True)
+    assert ran == [True]
+    assert warned == [f"sage-x: {tmp_path / 'runs' / 'sage-x'} is not held against a second flow run: its file system "
+                      "does not lock files (Operation not supported)"]
