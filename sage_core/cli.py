@@ -690,6 +690,7 @@ def _parse_gpus(value: str | None) -> list | None:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from . import launch as L
+    from .spec import run_folder_lock
 
     spec = build_spec(args.preset, args.spec, args.set)
     if args.vllm_mode and not spec.use_vllm:  # else the layout is transformers' and the flag would do nothing
@@ -718,25 +719,38 @@ def cmd_launch(args: argparse.Namespace) -> int:
             print(f"# spec file: {p.spec_path}")
             print(p.shell())
             return 0
-        run_id = None
-        if args.mlflow:
-            from . import tracking
-
-            _forget_run_id(p.spec, out)
-            run_id, _ = tracking.resume_or_create_run(p.spec, "train", out, experiment=args.experiment)
-        with _sigterm_raises("launch"):  # stopped (Ctrl-C, SIGTERM): its run KILLED, its vLLM server stopped
-            try:
-                res = L.launch(spec, out, check=False, mlflow_run_id=run_id, **kw)
-            except BaseException as e:
-                _end_run(run_id, e)
-                raise
-        if run_id is not None:
-            if res.ok and res.result:
-                tracking.log_summary(res.result.get("summary") or {}, run_id=run_id)
-            tracking.finish_run(run_id, status="FINISHED" if res.ok else "FAILED")
+        # held for its ranks from before its MLflow run is opened: a second launch into a folder being trained was
+        # refused only by its rank 0, after it had reopened the first launch's MLflow run, which it then ended FAILED
+        with run_folder_lock(out):
+            res = _launch_held(L, spec, p, out, args, kw)
     except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: $SAGE_TRAIN_VENV lacks accelerate/vllm
         raise SpecError(str(e)) from None
     return res.returncode
+
+
+def _launch_held(L, spec, p, out: Path, args: argparse.Namespace, kw: dict):
+    """cmd_launch in its run folder, held (spec.run_folder_lock): its MLflow run, then the launch, whose ranks are
+    told the folder is held for them (spec.HELD_ENV)."""
+    from .spec import HELD_ENV
+
+    run_id = None
+    if args.mlflow:
+        from . import tracking
+
+        _forget_run_id(p.spec, out)
+        run_id, _ = tracking.resume_or_create_run(p.spec, "train", out, experiment=args.experiment)
+    with _sigterm_raises("launch"):  # stopped (Ctrl-C, SIGTERM): its run KILLED, its vLLM server stopped
+        try:
+            res = L.launch(spec, out, check=False, mlflow_run_id=run_id, env={**os.environ, HELD_ENV: str(out)},
+                           **kw)
+        except BaseException as e:
+            _end_run(run_id, e)
+            raise
+    if run_id is not None:
+        if res.ok and res.result:
+            tracking.log_summary(res.result.get("summary") or {}, run_id=run_id)
+        tracking.finish_run(run_id, status="FINISHED" if res.ok else "FAILED")
+    return res
 
 
 # ---------------------------------------------------------------------------------------------- parser

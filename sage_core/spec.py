@@ -289,6 +289,7 @@ def check_run_folder(spec: RunSpec, out: str | Path) -> None:
 
 
 RUN_LOCK = ".sage_train.lock"  # in a run folder: locked (flock) by the process training there, its pid inside
+HELD_ENV = "SAGE_RUN_FOLDER_HELD"  # a run folder `sage launch` holds for the ranks it starts (they take no hold)
 _HELD: set[tuple[Path, int]] = set()  # (run folder, thread) this process holds: a nested hold is the same one
 
 
@@ -299,11 +300,12 @@ def run_folder_lock(out: str | Path):
     and the process, before it opens an MLflow run or touches the folder. Two at once trained the same steps into
     one folder's checkpoints and tracker files, each in an MLflow run of its own (mlflow_run_id named one), and a
     --no-resume one deleted the other's checkpoints. A hold nested in the same thread (the CLI's, then train()'s)
-    is the one already held. Only the main process (RANK 0) takes it: every rank of a launch trains there. The
+    is the one already held, as is one `sage launch` holds for its ranks (HELD_ENV). Only the main process
+    (RANK 0) takes it: every rank of a launch trains there. The
     kernel drops it when the process ends, SIGKILL included (the file stays, unlocked)."""
     out = Path(out).resolve()
     me = (out, threading.get_ident())
-    if int(os.environ.get("RANK", "0")) != 0 or me in _HELD:
+    if int(os.environ.get("RANK", "0")) != 0 or me in _HELD or os.environ.get(HELD_ENV) == str(out):
         yield
         return
     out.mkdir(parents=True, exist_ok=True)

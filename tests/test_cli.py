@@ -1030,3 +1030,49 @@ def test_eval_of_a_runs_folder_scores_each_checkpoint_as_a_curve(capsys, tmp_pat
     (empty / "spec.json").write_text(spec.model_dump_json())
     rc, _, err = run_cli(capsys, "eval", "--model", str(empty), "--benchmark", "h=heldout")
     assert rc == 2 and "a run's folder without checkpoint-N/ folders" in err, err
+
+
+def test_a_launch_into_a_folder_being_trained_is_refused_before_its_mlflow_run(capsys, tmp_path, monkeypatch):
+    """`sage launch` holds its output dir from before its MLflow run is opened, for its ranks (spec.HELD_ENV: rank 0
+    takes no hold of its own there). A second launch into a folder being trained was refused only by its rank 0,
+    after it had reopened the first launch's MLflow run (the folder's mlflow_run_id), which it then ended FAILED."""
+    from sage_core import launch as L
+    from sage_core.spec import HELD_ENV, run_folder_lock
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
+    monkeypatch.delenv("SAGE_TRAIN_VENV", raising=False)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "mlflow_run_id").write_text("the-first-launchs-run\n")
+    launched = []
+
+    def launch(spec, output_dir, **kw):  # the ranks: rank 0 holds the folder as train() does, in a process of its own
+        code = ("import sys; from sage_core.spec import run_folder_lock\n"
+                f"with run_folder_lock({str(out)!r}): print('trained', flush=True)")
+        r = subprocess.run([sys.executable, "-c", code], env={**kw["env"], "RANK": "0"}, cwd=ROOT,
+                           capture_output=True, text=True, check=False)
+        launched.append((kw["env"].get(HELD_ENV), r.stdout.strip(), r.stderr))
+        return L.LaunchResult(returncode=0, plan=None, log_path=out / "launch.log", result=None, tail=[])
+
+    monkeypatch.setattr(L, "launch", launch)
+    argv = ["launch", "--gpus", "0,", "--output-dir", str(out), "--mlflow"]
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from sage_core.spec import run_folder_lock\n"
+                               f"with run_folder_lock({str(out)!r}):\n print('held', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rc, _, err = run_cli(capsys, *argv)
+    finally:
+        holder.communicate("")
+    assert rc == 2 and not launched, err
+    assert f"is being trained by another process (pid {holder.pid})" in err, err
+    assert (out / "mlflow_run_id").read_text() == "the-first-launchs-run\n"
+    assert not (tmp_path / "home").exists()  # no MLflow store was opened
+    (out / "mlflow_run_id").unlink()
+    rc, _, err = run_cli(capsys, *argv)  # the folder free: the launch holds it, and its rank 0 trains under that hold
+    assert rc == 0, err
+    assert launched == [(str(out.resolve()), "trained", "")]
+    with run_folder_lock(out):  # the launch's hold ended with it
+        pass
