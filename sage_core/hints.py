@@ -185,7 +185,8 @@ def _values(text: str) -> set[Fraction]:
 # read as 1 (no one, one of them, a step): only in a compound (twenty-one, one hundred) or before a fraction's
 # denominator; ordinals alone (the third step) are not numbers.
 _UNITS = {w: i for i, w in enumerate([
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve", "thirteen",
+    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+    "thirteen",
     "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"])}
 _TENS = {w: 10 * i for i, w in enumerate(["twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"],
                                           start=2)}
@@ -1066,8 +1067,9 @@ def check_teacher_model(path: str) -> str:
     try:
         check_model_path(p)
     except ModelNotFound as e:
-        raise ModelNotFound(f"teacher {path}: {e}; a teacher may also be a hints file ({', '.join(HINTS_FILE_SUFFIXES)}) "
-                            "or an OpenAI-compatible URL http[s]://host/v1") from None
+        raise ModelNotFound(f"teacher {path}: {e}; a teacher may also be a hints file "
+                            f"({', '.join(HINTS_FILE_SUFFIXES)}) or an OpenAI-compatible URL "
+                            "http[s]://host/v1") from None
     return str(p)
 
 

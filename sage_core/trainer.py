@@ -110,9 +110,9 @@ class SageConfig(GRPOConfig):
             # other. A causal LM's buffers (rotary frequencies) are the same on every process: nothing to broadcast
             self.ddp_broadcast_buffers = False
         elif self.ddp_broadcast_buffers and self.sage_length_buckets:
-            raise ValueError("ddp_broadcast_buffers=True makes every forward a collective, and with sage_length_buckets "
-                             "processes run different numbers of forwards (they would wait forever): set "
-                             "sage_length_buckets=False to broadcast buffers")
+            raise ValueError("ddp_broadcast_buffers=True makes every forward a collective, and with "
+                             "sage_length_buckets processes run different numbers of forwards (they would wait "
+                             "forever): set sage_length_buckets=False to broadcast buffers")
         local = self.per_device_train_batch_size * self.steps_per_generation
         if local % self.num_generations:
             raise ValueError(

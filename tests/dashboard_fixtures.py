@@ -39,8 +39,8 @@ def make_prompts(n: int, seed: int = 0) -> pd.DataFrame:
     for i in range(n):
         d = int(rng.integers(1, 5))
         problem, solution, answer = _problem(rng, d)
-        rows.append({"prompt_id": f"syn-{i:05d}", "problem": problem, "solution": solution, "answer": answer, "difficulty": d,
-                         "skill": float(rng.normal(1.5 - 0.9 * d, 1.0))})
+        rows.append({"prompt_id": f"syn-{i:05d}", "problem": problem, "solution": solution, "answer": answer,
+                     "difficulty": d, "skill": float(rng.normal(1.5 - 0.9 * d, 1.0))})
     return pd.DataFrame(rows)
 
 
@@ -64,7 +64,8 @@ def tracker_step(prompts: pd.DataFrame, step: int, G: int, method: str, rng: np.
     for i, pr in enumerate(prompts.itertuples(index=False)):
         row = {"step": step, "prompt_id": pr.prompt_id, "problem": pr.problem, "answer": pr.answer,
                    "difficulty": int(pr.difficulty), "hint": None, "hint_l1": None, "hint_l2": None, "hint_l3": None,
-                   "acc_l1": np.nan, "acc_l2": np.nan, "acc_l3": np.nan, "leak_l1": False, "leak_l2": False, "leak_l3": False,
+                   "acc_l1": np.nan, "acc_l2": np.nan, "acc_l3": np.nan, "leak_l1": False, "leak_l2": False,
+                   "leak_l3": False,
                    "hint_failed": False, "rescued": False, "level": 0, "max_level_tried": 0, "method": method}
         k = int(base_k[i])
         rollouts = G

@@ -13,11 +13,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from trl import GRPOTrainer
 
-from sage_core.presets import preset  # noqa: E402
-from sage_core import train as train_module  # noqa: E402
-from sage_core.train import build_trainer, release_vllm, shutdown_distributed  # noqa: E402
-
 from sage_core import shared_prefix  # noqa: E402
+from sage_core import train as train_module  # noqa: E402
+from sage_core.presets import preset  # noqa: E402
+from sage_core.train import build_trainer, release_vllm, shutdown_distributed  # noqa: E402
 
 forwards = [0]  # the loss's forwards on this rank in the current job (one per length bucket, whole or shared prompt)
 _forward, _shared_forward = GRPOTrainer._get_per_token_logps_and_entropies, shared_prefix.forward

@@ -22,8 +22,7 @@ from streamlit.testing.v1 import AppTest
 try:
     from tests.dashboard_fixtures import EVAL_DURING, build_seed_study, dashboard_store, real_store, write_big_tracker
 except ImportError:
-    from dashboard_fixtures import (EVAL_DURING, build_seed_study, dashboard_store, real_store,  # noqa: F401
-                                    write_big_tracker)
+    from dashboard_fixtures import EVAL_DURING, build_seed_study, dashboard_store, real_store, write_big_tracker  # noqa: F401
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboards" / "app.py")
 PAGES = {"gate": "app_pages/gate.py", "levels": "app_pages/levels.py", "explorer": "app_pages/explorer.py",
@@ -651,7 +650,8 @@ def test_explorer_says_a_swapped_out_prompt_was_not_trained(monkeypatch, tmp_pat
     uri, client = _store(tmp_path)
     exp = _experiment(client, tmp_path, "dapo")
     rid = client.create_run(exp, run_name="dapo", tags={"sage.kind": "train", "sage.method": "dapo-filter"}).info.run_id
-    client.log_batch(rid, params=[Param(k, v) for k, v in _spec_params(method="dapo-filter", num_generations=4).items()])
+    client.log_batch(rid, params=[Param(k, v)
+                                  for k, v in _spec_params(method="dapo-filter", num_generations=4).items()])
     base = {"step": 1, "problem": "q", "answer": "3", "difficulty": 2, "base_state": "all0", "level": 0,
             "max_level_tried": 0, "rescued": False, "hint": None, "hint_l1": None, "hint_l2": None, "hint_l3": None,
             "acc_l1": None, "acc_l2": None, "acc_l3": None, "leak_l1": False, "leak_l2": False, "leak_l3": False,

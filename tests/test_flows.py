@@ -17,8 +17,18 @@ import pytest
 from prefect.exceptions import ParameterTypeError
 
 from flows import common, params
-from flows.study_flow import (COMPARISON_COLUMNS, DEFAULT_METHODS, SUMMARY_COLUMNS, comparison_table, hint_study,
-                              report_card, seed_summary, study_key, study_seeds, variant_specs)
+from flows.study_flow import (
+    COMPARISON_COLUMNS,
+    DEFAULT_METHODS,
+    SUMMARY_COLUMNS,
+    comparison_table,
+    hint_study,
+    report_card,
+    seed_summary,
+    study_key,
+    study_seeds,
+    variant_specs,
+)
 from flows.train_flow import sage_train
 from sage_core import tracking
 from sage_core.presets import PRESETS

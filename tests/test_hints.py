@@ -7,9 +7,22 @@ import time
 import pytest
 
 from sage_core.data import DataError
-from sage_core.hints import (FixedHints, HintContext, HintRequest, OnlineHints, TeacherError, TeacherHints, clean_hint,
-                             leaks, problem_sha, read_hint_variants, read_hints, request_prompt, sample_hints,
-                             write_hints)
+from sage_core.hints import (
+    FixedHints,
+    HintContext,
+    HintRequest,
+    OnlineHints,
+    TeacherError,
+    TeacherHints,
+    clean_hint,
+    leaks,
+    problem_sha,
+    read_hint_variants,
+    read_hints,
+    request_prompt,
+    sample_hints,
+    write_hints,
+)
 from sage_core.prompts import hint_request, hinted_problem
 
 
@@ -498,7 +511,8 @@ def test_null_or_blank_hints_are_missing_and_a_second_different_hint_is_refused(
     one prompt and level given two different hints is an error naming both, the same hint twice is not."""
     path = tmp_path / "hints.jsonl"
     rows = [{"prompt_id": "p1", "level": 1, "hint": None}, {"prompt_id": "p1", "level": 2, "hint": " "},
-            {"prompt_id": "p1", "level": 3, "hint": "7 + 5 = 12 ."}, {"prompt_id": "p1", "level": 3, "hint": "7 + 5 = 12 ."}]
+            {"prompt_id": "p1", "level": 3, "hint": "7 + 5 = 12 ."},
+            {"prompt_id": "p1", "level": 3, "hint": "7 + 5 = 12 ."}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with caplog.at_level("WARNING", logger="sage_core.hints"):
         assert read_hints(path) == {("p1", 3): "7 + 5 = 12 ."}
@@ -1049,11 +1063,13 @@ def test_a_model_teacher_is_checked_at_once_and_loaded_only_when_asked(monkeypat
 
     loads = []
     monkeypatch.setattr(models, "load_policy", lambda name, *a, **k: loads.append(name) or 1 / 0)
-    with pytest.raises(ModelNotFound, match=r"^teacher /nonexistent/teacher: model not found: .* does not exist .*a hints file"):
+    with pytest.raises(ModelNotFound,
+                       match=r"^teacher /nonexistent/teacher: model not found: .* does not exist .*a hints file"):
         TeacherHints("/nonexistent/teacher")
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ModelNotFound, match=r"^teacher .*empty: model folder .*empty has no config.json: not a saved model.*a hints file"):
+    with pytest.raises(ModelNotFound, match=r"^teacher .*empty: model folder .*empty has no config.json: not a saved "
+                                            r"model.*a hints file"):
         TeacherHints(str(empty))
     folder = tmp_path / "teacher"
     folder.mkdir()

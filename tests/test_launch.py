@@ -340,7 +340,8 @@ def test_a_stopped_launch_stops_its_training_processes_and_reads_their_last_word
     child = (f"import pathlib, signal, sys, time\nbeat = pathlib.Path({str(beat)!r})\n"
              "def stop(*_):\n    sys.stdout.write('shutting down ' * 20000 + '\\n')\n    print('bye', flush=True)\n"
              "    sys.exit(0)\n"
-             "signal.signal(signal.SIGTERM, stop)\nbeat.write_text(str(time.time()))\nprint('rank0', 'up', flush=True)\n"
+             "signal.signal(signal.SIGTERM, stop)\nbeat.write_text(str(time.time()))\n"
+             "print('rank0', 'up', flush=True)\n"
              "while True:\n    beat.write_text(str(time.time())); time.sleep(0.1)\n")
     monkeypatch.setattr(L, "accelerate_command", lambda *a, **kw: [sys.executable, "-c", child])
     lines: list[str] = []

@@ -247,7 +247,8 @@ def test_missing_gguf_file_is_a_clear_error(tmp_path):
         models.load_policy(str(tmp_path / "nope.gguf"))
 
 
-@pytest.mark.parametrize("name", ["/no/such/model", "./no-such-model", "~/no-such-model-dir", "runs/no-such-model/final"])
+@pytest.mark.parametrize("name", ["/no/such/model", "./no-such-model", "~/no-such-model-dir",
+                                  "runs/no-such-model/final"])
 def test_a_local_model_path_that_is_not_there_is_named_not_sent_to_the_hub(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(models.ModelNotFound, match=r"model not found: /.*no-such-model|model not found: /no/such"):

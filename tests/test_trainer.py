@@ -444,7 +444,8 @@ def test_a_done_run_run_again_trains_nothing_and_keeps_its_model(tiny_model_dir,
     shutil.rmtree(tmp_path / "b" / "final")
     res3 = train(budget, tmp_path / "b", callbacks=[Final()])
     assert res3.global_step == 2 and not (tmp_path / "b" / "checkpoint-3").exists()
-    got, saved = (load_file(str(p / "model.safetensors")) for p in (res3.checkpoint_dir, tmp_path / "b" / "checkpoint-2"))
+    got, saved = (load_file(str(p / "model.safetensors"))
+                  for p in (res3.checkpoint_dir, tmp_path / "b" / "checkpoint-2"))
     assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in got)
 
 
@@ -979,8 +980,8 @@ def test_a_resume_without_the_tracker_files_up_to_its_checkpoint_is_refused(thre
         with pytest.raises(DataError) as e:
             train(spec, run)
         assert str(e.value) == (f"{run / 'tracker'}: the tracker {listed} (resuming from checkpoint-3): the run's "
-                                f"per-prompt record and state are kept in the tracker files: restore {it}, or start over "
-                                "(--no-resume)")
+                                f"per-prompt record and state are kept in the tracker files: restore {it}, or start "
+                                "over (--no-resume)")
         assert _files(run) == before
 
 

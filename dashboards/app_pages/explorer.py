@@ -122,7 +122,8 @@ d = detail[detail["step"] == step].iloc[0]
 trained = d["trained"]  # None or NaN in rows written before the column: every row was trained then
 if trained is not None and not pd.isna(trained) and not trained:
     st.markdown(f"**Step {step}** · no-hint group: `{d['base_state']}` · **swapped out** for a fresh prompt of the "
-                f"train set (its slot's prompt: `{d['origin_id']}`), not trained · pass rate {float(d['pass_rate']):.2f}")
+                f"train set (its slot's prompt: `{d['origin_id']}`), not trained · pass rate "
+                f"{float(d['pass_rate']):.2f}")
 else:
     st.markdown(f"**Step {step}** · no-hint group: `{d['base_state']}` · trained on level **{int(d['level'])}** "
                 f"(tried up to {int(d['max_level_tried'])}) · final pass rate {float(d['pass_rate']):.2f}"

@@ -90,8 +90,8 @@ strip = alt.Chart(flag).mark_rect().encode(
     tooltip=["prompt_id", "difficulty", alt.Tooltip("pass_rate:Q", format=".2f", title="mean pass rate"), "flag"],
 ).properties(width=14, height=height)
 st.altair_chart(alt.hconcat(heat, strip, spacing=3).resolve_scale(color="independent"), key="levels_heatmap")
-st.caption(f"Showing {len(ids)} of {len(ordered)} prompts, {n_steps} steps. Red prompt ids and red marks on the right: never solved. Empty cells: the "
-           "prompt was not sampled at that step.")
+st.caption(f"Showing {len(ids)} of {len(ordered)} prompts, {n_steps} steps. Red prompt ids and red marks on the "
+           "right: never solved. Empty cells: the prompt was not sampled at that step.")
 
 st.dataframe(shown, hide_index=True, key="levels_table", column_config={
     "pass_rate": st.column_config.ProgressColumn("mean pass rate", min_value=0.0, max_value=1.0, format="%.2f"),
