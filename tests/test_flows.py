@@ -187,10 +187,16 @@ def test_report_prints_the_study_run_last_active(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    ids = _ended_studies(tmp_path, (("first", 1_000, 9_000), ("second", 2_000, 3_000)))  # first: run again, ended last
+    assert report.latest_study("studies").info.run_id == ids[0]
+
+
+def _ended_studies(tmp_path, times) -> list[str]:
+    """Study runs in experiment 'studies', one per (name, start, end), each with a comparison table: their ids."""
     c = tracking.client()
     exp = c.create_experiment("studies")
     ids = []
-    for name, start, end in (("first", 1_000, 9_000), ("second", 2_000, 3_000)):  # first: run again, ended last
+    for name, start, end in times:
         rid = c.create_run(exp, start_time=start, tags={"sage.kind": "study"}, run_name=name).info.run_id
         table = tmp_path / name / "comparison.parquet"
         table.parent.mkdir()
@@ -198,7 +204,7 @@ def test_report_prints_the_study_run_last_active(tmp_path, monkeypatch):
         c.log_artifact(rid, str(table), "study")
         c.set_terminated(rid, "FINISHED", end_time=end)
         ids.append(rid)
-    assert report.latest_study("studies").info.run_id == ids[0]
+    return ids
 
 
 def test_a_study_run_again_is_the_report_of_its_reopening_while_it_runs(tmp_path, monkeypatch):
@@ -210,20 +216,11 @@ def test_a_study_run_again_is_the_report_of_its_reopening_while_it_runs(tmp_path
 
     monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    c = tracking.client()
-    exp = c.create_experiment("studies")
-    ids = []
-    for name, start, end in (("first", 1_000, 3_000), ("second", 2_000, 5_000)):
-        rid = c.create_run(exp, start_time=start, tags={"sage.kind": "study"}, run_name=name).info.run_id
-        table = tmp_path / name / "comparison.parquet"
-        table.parent.mkdir()
-        pd.DataFrame({"variant": [name]}).to_parquet(table)
-        c.log_artifact(rid, str(table), "study")
-        c.set_terminated(rid, "FINISHED", end_time=end)
-        ids.append(rid)
+    ids = _ended_studies(tmp_path, (("first", 1_000, 3_000), ("second", 2_000, 5_000)))
     assert report.latest_study("studies").info.run_id == ids[1]
     before = int(time.time() * 1000)
     tracking.open_run(RunSpec(), "study", "studies", run_id=ids[0])  # the first study run again
+    c, exp = tracking.client(), tracking.client().get_experiment_by_name("studies").experiment_id
     run = c.get_run(ids[0])
     assert run.info.status == "RUNNING" and run.info.end_time == 3_000  # its earlier attempt's end, still there
     assert tracking.last_active(run) >= before
