@@ -59,6 +59,16 @@ def render_prompt(tokenizer, row: Mapping[str, Any]) -> str:
     return "\n".join(m["content"] for m in messages)
 
 
+def check_prompts_render(tokenizer, model_ref: str, benchmarks: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
+    """Each benchmark's prompts render with the model's chat template (models.check_chat_template: one that refuses
+    their turns, a system turn or its absence, failed with jinja's traceback once generating began)."""
+    from .models import check_chat_template
+
+    if getattr(tokenizer, "chat_template", None):
+        check_chat_template(tokenizer, model_ref, {f"the prompts of benchmark {name!r}": _messages(rows[0])
+                                                   for name, rows in benchmarks.items() if rows})
+
+
 def at_k(scores: Sequence[Sequence[float]]) -> tuple[float, float]:
     """(avg@k, pass@k) of each prompt's k scores: the mean fraction correct, the fraction with one correct (NaN for
     no prompts)."""
@@ -270,6 +280,8 @@ def _generate_vllm_from(path: str, benchmarks, k, temperature, top_p, max_new_to
     from .vllm_cpu import eager_engines
 
     ours = None if path.endswith(".gguf") else load_tokenizer(path)
+    if ours is not None:
+        check_prompts_render(ours, path, benchmarks)
 
     def encode(tok):
         return {name: [tok(render_prompt(tok, r), add_special_tokens=False)["input_ids"] for r in rows]
@@ -338,6 +350,7 @@ def evaluate(model_ref, benchmarks: dict[str, Any], use_vllm: bool = False, k: i
             from .models import load_policy
 
             model, tokenizer = load_policy(model_ref, gguf_file=gguf_file)
+            check_prompts_render(tokenizer, model_ref, loaded)
             model = _on_gpu_if_any(model)
         else:
             model, tokenizer = model_ref

@@ -1017,7 +1017,7 @@ def _local_model_generate(path: str) -> GenerateFn:
     """Hints from a local (or Hugging Face) model: the path is checked at once (check_teacher_model), the model is
     loaded on the first call, so a run builds its hint source before its policy and loads the teacher after it."""
     from .evaluate import generate_hf, render_prompt
-    from .models import ModelNotFound, load_policy
+    from .models import ModelNotFound, check_chat_template, load_policy
 
     name = check_teacher_model(path)
     loaded: list = []
@@ -1026,7 +1026,10 @@ def _local_model_generate(path: str) -> GenerateFn:
     def generate(prompts, max_new_tokens, temperature):
         if not loaded:
             try:
-                loaded.extend(load_policy(name))
+                model, tok = load_policy(name)
+                if getattr(tok, "chat_template", None):  # one refusing a lone user turn: jinja's traceback below
+                    check_chat_template(tok, name, {"a hint request": prompts[0]})
+                loaded.extend((model, tok))
             except ModelNotFound as e:
                 raise type(e)(f"teacher: {e}") from e
         model, tok = loaded

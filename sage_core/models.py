@@ -533,6 +533,24 @@ def unreadable_safetensors(folder: Path) -> tuple[Path, str] | None:
     return None
 
 
+def check_chat_template(tokenizer, name: str, conversations: dict[str, list[dict]]) -> None:
+    """Each of `conversations` (what it is -> the chat messages SAGE sends) renders with the tokenizer's chat template.
+    A template may refuse a conversation with raise_exception (Gemma's refuses a system turn, some ask for one), and
+    TRL or the evaluation renders each kind of prompt only when it first sends one: mid-step, jinja's TemplateError
+    and its traceback. Raises BadModelFile naming the model, the prompt and the template's own message."""
+    from jinja2 import TemplateError
+
+    for what, messages in conversations.items():
+        try:
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as e:
+            roles = ", ".join(m["role"] for m in messages)
+            raise BadModelFile(f"model {name}: its chat template refuses {what} (turns: {roles}): {e}; SAGE sends "
+                               "these turns as they are: change the tokenizer's chat_template (chat_template.jinja "
+                               "or tokenizer_config.json in the model folder) to accept them, or use another "
+                               "model") from e
+
+
 def _looks_local(name: str) -> bool:
     """A path rather than an HF id ('org/name'): absolute, relative with ./ or ../, under ~, or two folders deep."""
     return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1

@@ -261,10 +261,36 @@ def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
         raise BadModelFile(f"model {spec.model}: its tokenizer has no chat template, and SAGE's prompts are chat "
                            "messages (the hint goes into the last user turn): use an instruct model, or set the "
                            "tokenizer's chat_template and save it with the model")
+    check_prompts_render(spec, dataset, tokenizer)
     check_targets(spec, model)  # a LoRA target the policy lacks: peft's traceback, once the trainer is built
     if spec.max_prompt_length:
         dataset = _drop_long_prompts(spec, dataset, tokenizer, output_dir)
     return args, dataset, model, tokenizer
+
+
+def check_prompts_render(spec: RunSpec, dataset, tokenizer) -> None:
+    """The policy's chat template renders each kind of prompt the run sends it (models.check_chat_template): a
+    training prompt (the paper's system turn for a model other than 'tiny'), a hinted one and, where the policy
+    writes its hints (online, fixed), a hint request (a user turn alone). A template that refuses one failed with
+    jinja's traceback mid-step (a template asking for a system turn: at the first hint request)."""
+    from .hints import HintRequest, request_prompt
+    from .models import check_chat_template
+    from .prompts import hinted_problem
+
+    row = dataset[0]
+    if isinstance(row["prompt"], str):  # a plain-text prompt: TRL sends it without the template
+        return
+    kinds = {"a training prompt": list(row["prompt"])}
+    if spec.uses_hints:
+        hinted = [dict(m) for m in row["prompt"]]
+        last = max(i for i, m in enumerate(hinted) if m["role"] == "user")
+        hinted[last]["content"] = hinted_problem(hinted[last]["content"], "a hint")
+        kinds["a hinted training prompt"] = hinted
+        if spec.hint_source != "teacher":
+            problem = row.get("problem") or hinted[last]["content"]
+            kinds["a hint request (the policy writes its own hints)"] = request_prompt(
+                HintRequest(str(row["prompt_id"]), problem, row.get("solution") or "", str(row["answer"]), 1))
+    check_chat_template(tokenizer, spec.model, kinds)
 
 
 def _drop_long_prompts(spec: RunSpec, dataset, tokenizer, output_dir: str | Path):

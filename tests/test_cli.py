@@ -386,6 +386,60 @@ def test_train_of_a_model_without_a_chat_template_exits_2_saying_so(capsys, tmp_
     assert not (tmp_path / "run" / "checkpoint-1").exists()
 
 
+def _model_with_template(tiny_model_dir, folder, refuse: str):
+    """A copy of the tiny model whose chat template raises, as real ones do, where `refuse` ('system' or 'no-system')
+    says: Gemma's refuses a system turn, some templates ask for one."""
+    import shutil
+
+    shutil.copytree(tiny_model_dir, folder)
+    template = (folder / "chat_template.jinja").read_text()
+    test = "==" if refuse == "system" else "!="
+    message = "System role not supported" if refuse == "system" else "This model needs a system turn first"
+    (folder / "chat_template.jinja").write_text(
+        f"{{%- if messages[0]['role'] {test} 'system' -%}}{{{{ raise_exception('{message}') }}}}{{%- endif -%}}"
+        + template)
+    return folder
+
+
+def test_train_with_a_template_refusing_sages_turns_exits_2_before_training(capsys, tmp_path, tiny_model_dir):
+    """A chat template that refuses a system turn fails every training prompt (a model other than 'tiny' gets the
+    paper's system turn); one that asks for a system turn fails SAGE's hint requests (a user turn alone), at the
+    first collapsed group, mid-step, with jinja's traceback. Both are refused before training, naming the model, the
+    prompt and the template's message; GRPO (no hint requests) trains with the second."""
+    needs = _model_with_template(tiny_model_dir, tmp_path / "needs-system", "no-system")
+    refuses = _model_with_template(tiny_model_dir, tmp_path / "no-system", "system")
+    small = ["--set", "num_prompts=4", "--set", "prompts_per_step=2", "--set", "num_generations=2", "--set",
+             "max_completion_length=4", "--set", "max_steps=1"]
+    rc, _, err = run_cli(capsys, "train", "--set", f"model={needs}", "--set", "method=sage", *small,
+                         "--output-dir", str(tmp_path / "run1"))
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith(f"sage train: model {needs}: its chat template refuses a hint request"), err
+    assert "(turns: user): This model needs a system turn first" in last
+    assert not (tmp_path / "run1" / "checkpoint-1").exists()
+    rc, _, err = run_cli(capsys, "train", "--set", f"model={refuses}", "--set", "method=grpo", *small,
+                         "--output-dir", str(tmp_path / "run2"))
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and "its chat template refuses a training prompt (turns: system, user): System role" in last, err
+    rc, _, err = run_cli(capsys, "train", "--set", f"model={needs}", "--set", "method=grpo", *small,
+                         "--output-dir", str(tmp_path / "run3"))
+    assert rc == 0 and (tmp_path / "run3" / "checkpoint-1").exists(), err
+
+
+def test_eval_and_hints_with_a_template_refusing_their_turns_exit_2(capsys, tmp_path, tiny_model_dir):
+    """`sage eval` under the tiny-cpu spec sends a user turn alone, as `sage hints` asks a local teacher: a template
+    asking for a system turn failed with jinja's traceback once generating began; it is one line naming both."""
+    needs = _model_with_template(tiny_model_dir, tmp_path / "needs-system", "no-system")
+    rc, _, err = run_cli(capsys, "eval", "--model", str(needs), "--benchmark", "s=synthetic", "--k", "1",
+                         "--num-prompts", "2")
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith(f"sage eval: model {needs}: its chat template refuses the prompts of "
+                                       "benchmark 's' (turns: user): This model needs a system turn first"), err
+    rc, _, err = run_cli(capsys, "hints", "--teacher", str(needs), "--out", str(tmp_path / "hints.jsonl"), "--set",
+                         "num_prompts=2")
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and f"teacher: model {needs}: its chat template refuses a hint request (turns: user)" in last, err
+
+
 def test_lora_target_modules_the_model_lacks_exit_2_naming_them(capsys, tmp_path, tiny_model_dir):
     """A typo in lora_target_modules: refused with a one-line message naming it and the model's linear layers, not
     peft's NoMatchingPeftModuleError traceback once the trainer is built."""
