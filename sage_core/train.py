@@ -265,7 +265,36 @@ def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
     check_targets(spec, model)  # a LoRA target the policy lacks: peft's traceback, once the trainer is built
     if spec.max_prompt_length:
         dataset = _drop_long_prompts(spec, dataset, tokenizer, output_dir)
+    check_context(spec, dataset, tokenizer, model)
     return args, dataset, model, tokenizer
+
+
+def check_context(spec: RunSpec, dataset, tokenizer, model) -> None:
+    """The longest training prompt, with room for a hint where the method writes hints (hint_max_tokens and the hint
+    header) and for max_completion_length new tokens, fits the model's context (its config's
+    max_position_embeddings). HF generate does not stop at it: a model with learned positions (GPT-2's) failed
+    mid-step with torch's 'index out of range in self', one with rotary positions trained silently on positions it
+    was never trained for. A DataError naming the model, its context and the lengths, before training."""
+    from .data import DataError, prompt_lengths
+    from .prompts import HINT_HEADER
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    context = getattr(config, "max_position_embeddings", None)
+    if not context or not len(dataset):
+        return
+    lengths = prompt_lengths(dataset["prompt"], tokenizer)
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    hint = len(tokenizer.encode(f"\n{HINT_HEADER}\n", add_special_tokens=False)) + spec.hint_max_tokens \
+        if spec.uses_hints else 0
+    need = lengths[longest] + hint + spec.max_completion_length
+    if need > context:
+        with_hint = f" + a hint of up to {hint} tokens (hint_max_tokens={spec.hint_max_tokens} and its header)" \
+            if hint else ""
+        raise DataError(f"model {spec.model}: its context is {context} tokens (max_position_embeddings), fewer than "
+                        f"a training prompt needs: {dataset[longest]['prompt_id']!r} has {lengths[longest]} tokens"
+                        f"{with_hint} + max_completion_length={spec.max_completion_length} = {need}; lower "
+                        "max_completion_length" + (" or hint_max_tokens" if hint else "") + ", set "
+                        "max_prompt_length to leave longer prompts out, or use a model with a longer context")
 
 
 def check_prompts_render(spec: RunSpec, dataset, tokenizer) -> None:

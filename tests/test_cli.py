@@ -440,6 +440,33 @@ def test_eval_and_hints_with_a_template_refusing_their_turns_exit_2(capsys, tmp_
     assert rc == 2 and f"teacher: model {needs}: its chat template refuses a hint request (turns: user)" in last, err
 
 
+def test_train_of_a_model_whose_context_is_too_short_exits_2_saying_so(capsys, tmp_path, tiny_model_dir):
+    """A model whose context (max_position_embeddings) is shorter than the longest prompt + hint + completion: HF
+    generate failed mid-step on learned positions (IndexError) and went on silently on rotary ones (the tiny model's,
+    as here); refused before training, naming the model, its context, the prompt and the lengths."""
+    import shutil
+
+    model = tmp_path / "short"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    small = ["--preset", "tiny-cpu", "--set", f"model={model}", "--set", "num_prompts=4", "--set",
+             "prompts_per_step=2", "--set", "num_generations=2", "--set", "max_steps=1"]
+    rc, _, err = run_cli(capsys, "train", *small, "--set", "method=sage", "--set", "max_completion_length=8",
+                         "--output-dir", str(tmp_path / "run1"))
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith(f"sage train: model {model}: its context is 64 tokens"), err
+    assert "+ a hint of up to" in last and "max_completion_length=8 = " in last
+    assert not (tmp_path / "run1" / "checkpoint-1").exists()
+    rc, _, err = run_cli(capsys, "train", *small, "--set", "method=grpo", "--set", "max_completion_length=64",
+                         "--output-dir", str(tmp_path / "run2"))
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and "its context is 64 tokens" in last and "hint" not in last.split(";")[0], err
+    rc, _, err = run_cli(capsys, "train", *small, "--set", "method=grpo", "--set", "max_completion_length=4",
+                         "--output-dir", str(tmp_path / "run3"))
+    assert rc == 0 and (tmp_path / "run3" / "checkpoint-1").exists(), err
+
+
 def test_lora_target_modules_the_model_lacks_exit_2_naming_them(capsys, tmp_path, tiny_model_dir):
     """A typo in lora_target_modules: refused with a one-line message naming it and the model's linear layers, not
     peft's NoMatchingPeftModuleError traceback once the trainer is built."""
