@@ -150,7 +150,7 @@ def generate_hf(model, tokenizer, texts: Sequence[str], k: int = 4, temperature:
     old_config = getattr(model, "generation_config", None)
     if old_config is not None:
         model.generation_config = GenerationConfig(bos_token_id=old_config.bos_token_id,
-                                                   eos_token_id=old_config.eos_token_id, pad_token_id=pad_id)
+                                                   eos_token_id=_eos_ids(old_config, tokenizer), pad_token_id=pad_id)
     shared = [True]  # each prompt prefilled once for its k samples, until the model's cache turns out not to allow it
     try:
         device = next(model.parameters()).device
@@ -180,6 +180,18 @@ def generate_hf(model, tokenizer, texts: Sequence[str], k: int = 4, temperature:
             model.generation_config = old_config
         model.train(was_training)
     return out
+
+
+def _eos_ids(config, tokenizer) -> list[int] | int | None:
+    """The tokens a completion ends at: the generation config's EOS ids and the tokenizer's EOS, as TRL's rollouts
+    (GRPOTrainer.eos_token_ids) and vLLM stop. A model whose generation_config.json lacks its tokenizer's EOS (a
+    tokenizer given the chat template's end of turn as EOS, a config without generation_config.json) went on
+    writing past it here only: text after the answer, and its last \\boxed{} scored (measured on the tiny model)."""
+    ids = config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids or None
 
 
 def evaluate_rows(model, tokenizer, rows, k: int = 4, temperature: float = 0.6, top_p: float = 0.95,

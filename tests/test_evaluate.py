@@ -400,6 +400,21 @@ def test_hf_generate_samples_as_training_does_whatever_the_checkpoints_generatio
     assert model.generation_config.repetition_penalty == 1.3 and model.generation_config.no_repeat_ngram_size == 2
 
 
+def test_hf_generate_ends_at_the_tokenizers_eos_where_the_generation_config_lacks_it(tiny_model_dir):
+    """A model whose generation config does not list its tokenizer's EOS (a tokenizer given the template's end of turn
+    as EOS, a folder without generation_config.json): TRL's rollouts and vLLM end a completion there, the HF eval
+    wrote on past it (text after the answer, its last \\boxed{} scored). It ends there too; the config is kept."""
+    from sage_core.evaluate import generate_hf
+
+    model, tok = models.load_policy("tiny")
+    texts = [render_prompt(tok, r) for r in data.synthetic_rows(3, seed=1, difficulty="easy")]
+    plain = generate_hf(model, tok, texts, k=1, temperature=0, max_new_tokens=80)
+    assert all(c[0].rstrip().endswith("} .") for c in plain), plain  # the warm start's answers end at EOS
+    model.generation_config.eos_token_id = tok.pad_token_id
+    assert generate_hf(model, tok, texts, k=1, temperature=0, max_new_tokens=80) == plain
+    assert model.generation_config.eos_token_id == tok.pad_token_id
+
+
 def test_hf_eval_prefills_each_prompt_once_for_its_k_samples_and_samples_the_same(tiny_model_dir, monkeypatch):
     """k samples of a prompt are its rows repeated in place: the eval hands generate a cache with each prompt computed
     once (sage_core.generation_cache), and draws what generate's own k copies draw with the same seed. A model whose
