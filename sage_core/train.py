@@ -282,10 +282,12 @@ def check_context(spec: RunSpec, dataset, tokenizer, model) -> None:
     context = getattr(config, "max_position_embeddings", None)
     if not context or not len(dataset):
         return
-    lengths = prompt_lengths(dataset["prompt"], tokenizer)
-    longest = max(range(len(lengths)), key=lengths.__getitem__)
     hint = len(tokenizer.encode(f"\n{HINT_HEADER}\n", add_special_tokens=False)) + spec.hint_max_tokens \
         if spec.uses_hints else 0
+    if spec.max_prompt_length and spec.max_prompt_length + hint + spec.max_completion_length <= context:
+        return  # the prompts are at most max_prompt_length tokens (_drop_long_prompts): no need to count them again
+    lengths = prompt_lengths(dataset["prompt"], tokenizer)
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
     need = lengths[longest] + hint + spec.max_completion_length
     if need > context:
         with_hint = f" + a hint of up to {hint} tokens (hint_max_tokens={spec.hint_max_tokens} and its header)" \

@@ -462,6 +462,10 @@ def test_train_of_a_model_whose_context_is_too_short_exits_2_saying_so(capsys, t
                          "--output-dir", str(tmp_path / "run2"))
     last = err.strip().splitlines()[-1]
     assert rc == 2 and "its context is 64 tokens" in last and "hint" not in last.split(";")[0], err
+    # a max_prompt_length the context has room for spares counting the prompts; one it has none for does not
+    rc, _, err = run_cli(capsys, "train", *small, "--set", "method=grpo", "--set", "max_completion_length=64",
+                         "--set", "max_prompt_length=1000", "--output-dir", str(tmp_path / "run4"))
+    assert rc == 2 and "its context is 64 tokens" in err.strip().splitlines()[-1], err
     rc, _, err = run_cli(capsys, "train", *small, "--set", "method=grpo", "--set", "max_completion_length=4",
                          "--output-dir", str(tmp_path / "run3"))
     assert rc == 0 and (tmp_path / "run3" / "checkpoint-1").exists(), err
