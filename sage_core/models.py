@@ -551,6 +551,29 @@ def check_chat_template(tokenizer, name: str, conversations: dict[str, list[dict
                                "model") from e
 
 
+def end_of_turn_not_a_stop(tokenizer, generation_config) -> str | None:
+    """The token the chat template ends an assistant turn with, where it is none of the tokens a completion stops at
+    (the generation config's EOS ids and the tokenizer's EOS, as TRL's eos_token_ids): such a policy writes each
+    rollout on to max_completion_length past its answer (the first Llama-3-Instruct release's generation config
+    lacked <|eot_id|>), every group's cost the longest possible and its text after the answer scored with it. None
+    where it stops, or where the template writes no assistant turn to tell."""
+    mark = "SAGE-END-OF-TURN-PROBE"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "1 + 1 ?"},
+                                              {"role": "assistant", "content": mark}], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that writes no assistant turn: nothing to tell
+        return None
+    if not isinstance(text, str) or text.count(mark) != 1:
+        return None
+    ids = tokenizer.encode(text.split(mark, 1)[1], add_special_tokens=False)
+    stops = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    stops = set() if stops is None else {stops} if isinstance(stops, int) else set(stops)
+    stops.add(tokenizer.eos_token_id)
+    if not ids or ids[0] in stops:
+        return None
+    return tokenizer.convert_ids_to_tokens(ids[0])
+
+
 def _looks_local(name: str) -> bool:
     """A path rather than an HF id ('org/name'): absolute, relative with ./ or ../, under ~, or two folders deep."""
     return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1

@@ -240,7 +240,7 @@ def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
     import torch
 
     from .data import DataError, build_dataset
-    from .models import BadModelFile, load_policy
+    from .models import BadModelFile, end_of_turn_not_a_stop, load_policy
     from .reward import warm_pool_in_background
     from .vllm_cpu import engines_eager_if_asked, keep_plain_weights
 
@@ -262,6 +262,12 @@ def _trainer_inputs(spec: RunSpec, output_dir: str | Path):
                            "messages (the hint goes into the last user turn): use an instruct model, or set the "
                            "tokenizer's chat_template and save it with the model")
     check_prompts_render(spec, dataset, tokenizer)
+    if (end := end_of_turn_not_a_stop(tokenizer, getattr(model, "generation_config", None))) is not None:
+        log.warning("model %s: its chat template ends an assistant turn with %r, which is not one of the tokens a "
+                    "completion stops at (generation_config.json's eos_token_id, the tokenizer's eos_token): every "
+                    "rollout will run on to max_completion_length (%d tokens) past its answer. Add its id to "
+                    "eos_token_id in the model folder's generation_config.json", spec.model, end,
+                    spec.max_completion_length)
     check_targets(spec, model)  # a LoRA target the policy lacks: peft's traceback, once the trainer is built
     if spec.max_prompt_length:
         dataset = _drop_long_prompts(spec, dataset, tokenizer, output_dir)

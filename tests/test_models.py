@@ -391,3 +391,39 @@ def test_local_models_that_cannot_load_are_clear_errors_naming_the_file(tmp_path
     assert cli.main(["eval", "--model", str(folder), "--benchmark", "s=synthetic"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"sage eval: {weights} cannot be read as safetensors") and err.count("\n") == 1
+
+
+def test_an_end_of_turn_that_stops_no_completion_is_named(tiny_model_dir, tmp_path, caplog):
+    """A chat template that ends an assistant turn with a token that is no stop (neither the generation config's EOS
+    ids nor the tokenizer's EOS: the first Llama-3-Instruct release's <|eot_id|>) makes every rollout run on to
+    max_completion_length past its answer, and nothing said so. The token is named (models.end_of_turn_not_a_stop),
+    and training warns, saying which file to mend; where the generation config lists it, nothing is said."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    from sage_core.spec import RunSpec
+    from sage_core.train import train
+
+    model, tok = models.load_policy(str(tiny_model_dir))
+    assert models.end_of_turn_not_a_stop(tok, model.generation_config) is None  # the tiny model's ends at <|eos|>
+    tok.chat_template = tok.chat_template.replace("{{ message['content'] }}<|eos|>", "{{ message['content'] }}<|user|>")
+    assert models.end_of_turn_not_a_stop(tok, model.generation_config) == "<|user|>"
+    stops = GenerationConfig(eos_token_id=[model.generation_config.eos_token_id, tok.convert_tokens_to_ids("<|user|>")])
+    assert models.end_of_turn_not_a_stop(tok, stops) is None
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # no assistant turn to tell by
+    assert models.end_of_turn_not_a_stop(tok, model.generation_config) is None
+
+    folder = tmp_path / "eot"
+    shutil.copytree(tiny_model_dir, folder)
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        path = folder / name
+        if path.exists():
+            path.write_text(path.read_text().replace("}}<|eos|>", "}}<|user|>"))
+    spec = RunSpec(model=str(folder), method="grpo", max_steps=1, num_prompts=4, prompts_per_step=2,
+                   num_generations=2, max_completion_length=8)
+    with caplog.at_level("WARNING", logger="sage_core.train"):
+        train(spec, tmp_path / "run")
+    assert (f"model {folder}: its chat template ends an assistant turn with '<|user|>', which is not one of the "
+            "tokens a completion stops at") in caplog.text
+    assert "every rollout will run on to max_completion_length (8 tokens)" in caplog.text
