@@ -60,9 +60,10 @@ def merged_model(base: str, adapter_dir: str | Path, gguf_file: str | None = Non
     bfloat16 base's adapters gets the unrounded merge."""
     from peft import PeftModel
 
-    from .models import load_policy
+    from .models import check_adapter_folder, load_policy
 
     model, _ = load_policy(base, gguf_file)  # in the checkpoint's dtype (loading as float32 forgets it)
+    check_adapter_folder(Path(adapter_dir))  # weights cut short: named, not safetensors' traceback from peft
     dtype = dtype or next(model.parameters()).dtype
     return PeftModel.from_pretrained(model.float(), str(adapter_dir)).merge_and_unload().to(dtype)
 

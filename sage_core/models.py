@@ -474,6 +474,12 @@ class BadModelFile(ModelNotFound):
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+# a tokenizer's files, any one of them (a fast tokenizer's, a config naming its class, sentencepiece's, BPE's or
+# WordPiece's vocabulary): without one AutoTokenizer builds an empty tokenizer from config.json's model_type and says
+# nothing (a Qwen2Tokenizer of 1 token that encodes every prompt as no tokens)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")  # peft's, in a LoRA adapter folder
 
 
 def check_model_path(p: Path) -> None:
@@ -497,7 +503,9 @@ def check_model_path(p: Path) -> None:
 def check_local_model(folder: Path, gguf_file: str | None = None) -> None:
     """Cheap checks of a local model before transformers reads it (whose errors name a hub URL or no file): the
     GGUF file is there and starts with the GGUF magic; a folder has weights, and each .safetensors file's header
-    (which also fixes the file's size) reads. Raises ModelNotFound / BadModelFile naming the file."""
+    (which also fixes the file's size) reads, and it has a tokenizer (TOKENIZER_FILES: a checkpoint whose save was
+    cut short before its tokenizer loaded an empty one, and torch failed deep in generate). Raises ModelNotFound /
+    BadModelFile naming the file."""
     if gguf_file is not None:
         g = folder / gguf_file
         if not g.is_file():
@@ -517,6 +525,21 @@ def check_local_model(folder: Path, gguf_file: str | None = None) -> None:
         weights, why = bad
         raise BadModelFile(f"{weights.resolve()} cannot be read as safetensors ({why}): a truncated or damaged "
                            "weights file")
+    if not any((folder / t).is_file() for t in TOKENIZER_FILES):
+        raise BadModelFile(f"model folder {folder.resolve()} has no tokenizer ({', '.join(TOKENIZER_FILES[:2])}): a "
+                           "model saved without it, or whose save did not finish")
+
+
+def check_adapter_folder(folder: Path) -> None:
+    """A LoRA adapter folder (a LoRA run's checkpoint-N/ or adapter/) has adapter weights, and each .safetensors
+    file's header reads: peft read a truncated one with safetensors' own traceback. Raises BadModelFile naming it."""
+    if not any((folder / w).is_file() for w in ADAPTER_WEIGHT_FILES):
+        raise BadModelFile(f"LoRA adapter folder {folder.resolve()} has no adapter weights "
+                           f"({' or '.join(ADAPTER_WEIGHT_FILES)}): saved without them, or its save did not finish")
+    if (bad := unreadable_safetensors(folder)) is not None:
+        weights, why = bad
+        raise BadModelFile(f"{weights.resolve()} cannot be read as safetensors ({why}): a truncated or damaged "
+                           "adapter weights file")
 
 
 def unreadable_safetensors(folder: Path) -> tuple[Path, str] | None:
@@ -623,7 +646,10 @@ def load_policy(name: str, gguf_file: str | None = None, dtype=None):
         check_model_path(local)  # (a gguf_file's folder that exists: check_local_model checks the file below)
     from .lora import adapter_base, merged_model
 
-    base = adapter_base(local) if gguf_file is None else None
+    try:
+        base = adapter_base(local) if gguf_file is None else None
+    except ValueError as e:  # an adapter_config.json cut short or damaged: a bad model file, named
+        raise BadModelFile(str(e)) from e
     if base is not None:  # a LoRA run's checkpoint-N/ or adapter/: the base with these adapters merged
         model = merged_model(base, local, dtype=dtype)
         tok_from = str(local)  # its own tokenizer, else its base's (which may be a LoRA run's adapters in turn)

@@ -427,3 +427,46 @@ def test_an_end_of_turn_that_stops_no_completion_is_named(tiny_model_dir, tmp_pa
     assert (f"model {folder}: its chat template ends an assistant turn with '<|user|>', which is not one of the "
             "tokens a completion stops at") in caplog.text
     assert "every rollout will run on to max_completion_length (8 tokens)" in caplog.text
+
+
+def test_a_model_cut_short_before_its_tokenizer_or_adapter_weights_is_a_clear_error(tmp_path, capsys,
+                                                                                      tiny_model_dir):
+    """What a training killed while saving leaves: a checkpoint with its config and weights but no tokenizer yet
+    (AutoTokenizer built an empty one from config.json's model_type, 1 token, and torch failed deep in generate:
+    'There are 0 sized dimensions'), a LoRA checkpoint whose adapter weights or adapter_config.json were cut short
+    (safetensors' and json's tracebacks) or not written. Each is a BadModelFile naming the file; `sage eval` shows
+    it as one line and exits 2."""
+    import shutil
+
+    from helpers import lora_checkpoint
+
+    from sage_core import cli
+    from sage_core.presets import preset
+
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):  # as a kill after the weights left it
+        shutil.copy(Path(tiny_model_dir) / name, ckpt / name)
+    with pytest.raises(models.BadModelFile, match=rf"model folder {ckpt} has no tokenizer .*did not finish"):
+        models.load_policy(str(ckpt))
+    spec = preset("tiny-cpu", lora_r=2, lora_alpha=4)
+    adapter = tmp_path / "checkpoint-3"
+    lora_checkpoint(models.load_policy("tiny")[0], spec, adapter, std=0.5)
+    models.load_policy(str(adapter))  # whole, it loads
+    weights, config = adapter / "adapter_model.safetensors", adapter / "adapter_config.json"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:5000])
+    with pytest.raises(models.BadModelFile, match=rf"{weights} cannot be read as safetensors \(.+\): a truncated"):
+        models.load_policy(str(adapter))
+    capsys.readouterr()  # the loads' progress bars
+    assert cli.main(["eval", "--model", str(adapter), "--benchmark", "s=synthetic"]) == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]  # after the base model's loading bar
+    assert last.startswith(f"sage eval: {weights} cannot be read as safetensors") and "Traceback" not in err, err
+    weights.unlink()
+    with pytest.raises(models.BadModelFile, match=rf"LoRA adapter folder {adapter} has no adapter weights"):
+        models.load_policy(str(adapter))
+    weights.write_bytes(whole)
+    config.write_text(config.read_text()[:50])
+    with pytest.raises(models.BadModelFile, match=rf"{config} cannot be read as a LoRA adapter config"):
+        models.load_policy(str(adapter))

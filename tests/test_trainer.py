@@ -732,6 +732,7 @@ def test_lora_merge_keeps_the_base_checkpoints_dtype(tiny_model_dir, tmp_path):
     spec = small("sage", model=str(tmp_path / "bf16"), lora_r=2, lora_alpha=4, lora_target_modules="q_proj, v_proj")
     lora = lora_checkpoint(load_policy(spec.model, dtype=torch.float32)[0], spec, tmp_path / "adapter", std=0.5)
     merge_adapter(spec, tmp_path / "adapter", tmp_path / "final")
+    tok.save_pretrained(tmp_path / "final")  # as train() does: a model folder without a tokenizer is refused
     base = load_policy(str(tmp_path / "bf16"))[0].state_dict()
     final = load_policy(str(tmp_path / "final"))[0].state_dict()
     assert {v.dtype for v in final.values()} == {torch.bfloat16}
