@@ -463,9 +463,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                         gguf_file=spec.gguf_file)
 
     if checkpoints := run_checkpoints(args.model):  # a run's folder: each checkpoint, a curve over steps
-        import pandas as pd
-
-        table = pd.concat([scores(m).assign(step=s, model=m) for s, m in checkpoints], ignore_index=True)
+        table = checkpoint_curve(args.model, checkpoints, scores)
     else:
         table = scores(args.model)
     if args.output:  # ~ as the input check above takes it (a .json went to a folder named ~ in the cwd)
@@ -490,6 +488,38 @@ def run_checkpoints(folder: str) -> list[tuple[int, str]]:
         raise SpecError(f"--model {folder}: a run's folder without checkpoint-N/ folders to evaluate (its final/ is "
                         f"{run / 'final'})")
     return sorted(found)
+
+
+def checkpoint_curve(folder: str, checkpoints: list[tuple[int, str]], scores) -> Any:
+    """The scores of a run's checkpoints (`scores(path)`, a table each), with their step and path, one after
+    another; a run may be training into the folder meanwhile, or have been stopped while saving. A checkpoint is
+    skipped, with a line on stderr naming it and why, where it has no trainer_state.json (HF's Trainer writes it after
+    the weights and the tokenizer: the checkpoint is being saved, or its save was cut short), where it is gone (the
+    run's keep_checkpoints removed it since it was listed) or where its model does not load (a truncated weights
+    file, no tokenizer: ModelNotFound). One of them failed the whole evaluation, the checkpoints scored before it
+    lost, or scored a checkpoint without its tokenizer (an empty one: torch's traceback from generate). None left to
+    score is a SpecError naming each."""
+    import pandas as pd
+
+    from .models import ModelNotFound
+
+    tables, skipped = [], []
+    for step, path in checkpoints:
+        why = "no trainer_state.json: being saved, or its save was cut short"
+        if (Path(path) / "trainer_state.json").is_file():
+            try:
+                tables.append(scores(path).assign(step=step, model=path))
+                continue
+            except ModelNotFound as e:
+                why = str(e)
+        if not Path(path).exists():
+            why = "removed since it was listed: the run keeps its newest keep_checkpoints"
+        skipped.append(path)
+        print(f"sage eval: skipped {path} ({why})", file=sys.stderr)
+    if not tables:
+        raise SpecError(f"--model {folder}: none of its checkpoints could be evaluated (each skipped as said above: "
+                        f"{', '.join(Path(p).name for p in skipped)})")
+    return pd.concat(tables, ignore_index=True)
 
 
 def cmd_hints(args: argparse.Namespace) -> int:

@@ -1117,6 +1117,57 @@ def test_eval_of_a_runs_folder_scores_each_checkpoint_as_a_curve(capsys, tmp_pat
     assert rc == 2 and "a run's folder without checkpoint-N/ folders" in err, err
 
 
+def test_eval_of_a_runs_folder_skips_checkpoints_being_saved_cut_short_or_removed(capsys, tmp_path, monkeypatch,
+                                                                                  tiny_model_dir):
+    """`sage eval --model RUN` while a run trains there, or after one was killed while saving: a checkpoint whose
+    weights were cut short, one without trainer_state.json (being saved: a kill -9 while saving left config.json,
+    generation_config.json and model.safetensors) and one the run's keep_checkpoints removed once it was listed
+    failed the whole evaluation ('model not found: .../checkpoint-10 does not exist', every time on a run with
+    save_steps=1 and keep_checkpoints=3), the checkpoints scored before it lost. Each is skipped, named on stderr with
+    why, and the whole ones are scored; none left is an error naming them."""
+    import shutil
+
+    import pandas as pd
+
+    from sage_core import evaluate as evaluate_module
+    from sage_core.presets import preset
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "spec.json").write_text(preset("tiny-cpu", num_prompts=8).model_dump_json())
+    for step in range(1, 6):
+        shutil.copytree(tiny_model_dir, run / f"checkpoint-{step}")
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    weights = run / "checkpoint-2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    for name in os.listdir(run / "checkpoint-3"):  # what a kill while saving left
+        if name not in ("config.json", "generation_config.json", "model.safetensors"):
+            (run / "checkpoint-3" / name).unlink()
+    real = evaluate_module.evaluate
+
+    def rotating(model, *args, **kwargs):  # the run saves a checkpoint and removes checkpoint-4 meanwhile
+        if model.endswith("checkpoint-1"):
+            shutil.rmtree(run / "checkpoint-4")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate_module, "evaluate", rotating)
+    out = tmp_path / "curve.parquet"
+    argv = ["eval", "--model", str(run), "--benchmark", "h=heldout", "--k", "1", "--num-prompts", "2", "--set",
+            "max_completion_length=8", "--output", str(out)]
+    rc, stdout, err = run_cli(capsys, *argv)
+    assert rc == 0, err
+    assert pd.read_parquet(out)["step"].tolist() == [1, 5]
+    assert f"skipped {run / 'checkpoint-2'} ({weights} cannot be read as safetensors" in err
+    assert f"skipped {run / 'checkpoint-3'} (no trainer_state.json: being saved, or its save was cut short)" in err
+    assert f"skipped {run / 'checkpoint-4'} (removed since it was listed" in err
+    assert "Traceback" not in err
+    shutil.rmtree(run / "checkpoint-1")
+    shutil.rmtree(run / "checkpoint-5")
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 2 and f"sage eval: --model {run}: none of its checkpoints could be evaluated" in err, err
+    assert "checkpoint-2, checkpoint-3" in err
+
+
 def test_a_launch_into_a_folder_being_trained_is_refused_before_its_mlflow_run(capsys, tmp_path, monkeypatch):
     """`sage launch` holds its output dir from before its MLflow run is opened, for its ranks (spec.HELD_ENV: rank 0
     takes no hold of its own there). A second launch into a folder being trained was refused only by its rank 0,
