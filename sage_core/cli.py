@@ -23,6 +23,7 @@ import os
 import re
 import select
 import sys
+import tempfile
 import typing
 from pathlib import Path
 from typing import Any
@@ -380,7 +381,8 @@ def parse_benchmarks(pairs: list[str]) -> dict[str, str]:
 
 def check_eval_output(path: str | None) -> None:
     """Refuse an --output the table could not be written to, before the evaluation runs: not .parquet or .json, a
-    folder, or a folder that cannot be made for it."""
+    folder, a folder that cannot be made for it, or one no file can be written in (read-only: the evaluation ran
+    whole, then ended with the OSError's traceback and its table was not even printed)."""
     if path is None:
         return
     p = Path(path).expanduser()
@@ -393,6 +395,28 @@ def check_eval_output(path: str | None) -> None:
         p.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise SpecError(f"--output {path}: its folder cannot be created ({e.strerror})") from None
+    try:  # a file made and removed: root passes os.access on a folder of mode 555, a read-only mount does not
+        fd, probe = tempfile.mkstemp(dir=p.parent, prefix=".sage-eval-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise SpecError(f"--output {path}: no file can be written in {p.parent} ({e.strerror})") from None
+
+
+def write_eval_output(table, path: str) -> None:
+    """The table written to `path` (.parquet or .json) through a file beside it, renamed over it once whole: a
+    write that fails (a full disk) leaves the file that was there as it was."""
+    out = Path(path).expanduser()  # ~ as check_eval_output takes it (a .json went to a folder named ~ in the cwd)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # made as any file is (umask), not mkstemp's 600
+    try:
+        if out.suffix.lower() == ".parquet":
+            table.to_parquet(tmp, index=False)
+        else:
+            Path(tmp).write_text(json.dumps(_jsonable(table), indent=2))
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 HELDOUT_FIELDS = ("data", "data_split", "num_prompts", "seed", "difficulty")  # what a run's held-out set is cut by
@@ -466,12 +490,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         table = checkpoint_curve(args.model, checkpoints, scores)
     else:
         table = scores(args.model)
-    if args.output:  # ~ as the input check above takes it (a .json went to a folder named ~ in the cwd)
-        if args.output.lower().endswith(".parquet"):
-            table.to_parquet(Path(args.output).expanduser(), index=False)
-        else:
-            Path(args.output).expanduser().write_text(json.dumps(_jsonable(table), indent=2))
-    print(table.to_string(index=False) if hasattr(table, "to_string") else json.dumps(_jsonable(table), indent=2))
+    # printed first: a table that cannot be written (the disk filled meanwhile) is still shown
+    print(table.to_string(index=False) if hasattr(table, "to_string") else json.dumps(_jsonable(table), indent=2),
+          flush=True)
+    if args.output:
+        try:
+            write_eval_output(table, args.output)
+        except OSError as e:
+            print(f"sage eval: --output {args.output}: not written ({e.strerror or e}); the table is above"
+                  + (", the file there is as it was" if Path(args.output).expanduser().exists() else ""),
+                  file=sys.stderr)
+            return 1
     return 0
 
 

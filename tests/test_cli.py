@@ -836,6 +836,61 @@ def test_train_tiny_end_to_end_with_mlflow(capsys, tmp_path, tiny_model_dir, mon
     assert "MLflow run" in stdout
 
 
+def test_eval_output_in_a_read_only_folder_exits_2_before_evaluating(capsys, tmp_path, monkeypatch):
+    """An --output in a folder no file can be written in (a read-only mount: EROFS, even for root) ran the whole
+    evaluation, then ended with the OSError's traceback, its table not even printed."""
+    import errno
+
+    monkeypatch.setitem(sys.modules, "sage_core.evaluate", None)  # evaluating would raise
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_open = os.open
+
+    def read_only(path, *args, **kwargs):  # what a read-only mount answers (root passes a folder of mode 555)
+        if Path(path).parent == ro:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "s=synthetic", "--output",
+                         str(ro / "t.json"))
+    assert rc == 2 and err == (f"sage eval: --output {ro / 't.json'}: no file can be written in {ro} (Read-only file "
+                               "system)\n"), err
+
+
+def test_eval_output_that_fails_to_be_written_keeps_the_file_there_and_shows_the_table(capsys, tmp_path,
+                                                                                        monkeypatch):
+    """A table whose write fails once the evaluation ran (the disk filled meanwhile: ENOSPC) cut the file already
+    at --output short (an earlier table: the write truncated it first), ended with the traceback and printed no
+    table. The table is printed first and written beside the file, renamed over it once whole: the earlier file
+    stays as it was, the command says so and exits 1, and nothing is left beside it."""
+    import errno
+    import types
+
+    import pandas as pd
+
+    def fake_evaluate(model_ref, benchmarks, **kw):
+        return pd.DataFrame([{"benchmark": n, "k": kw["k"], "avg_at_k": 0.5, "pass_at_k": 1.0, "n_prompts": 3}
+                             for n in benchmarks])
+
+    def disk_full(self, path, **kwargs):
+        Path(path).write_bytes(b"PAR1")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setitem(sys.modules, "sage_core.evaluate", types.SimpleNamespace(evaluate=fake_evaluate))
+    out = tmp_path / "eval.parquet"
+    argv = ["eval", "--model", "tiny", "--benchmark", "s=synthetic", "--k", "2", "--output", str(out)]
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 0, err
+    earlier = out.read_bytes()
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", disk_full)
+    rc, stdout, err = run_cli(capsys, *argv)
+    assert rc == 1 and err == (f"sage eval: --output {out}: not written (No space left on device); the table is "
+                               "above, the file there is as it was\n"), err
+    assert "avg_at_k" in stdout and "0.5" in stdout
+    assert out.read_bytes() == earlier and sorted(p.name for p in tmp_path.iterdir()) == ["eval.parquet"]
+
+
 def test_eval_hands_spec_settings_to_evaluate(capsys, tmp_path, monkeypatch):
     """`sage eval` loads each benchmark's rows (held-out synthetic rows, or a file cut to eval_num_prompts) and
     passes the spec's sampling settings to sage_core.evaluate.evaluate."""
