@@ -396,6 +396,17 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
             self._ctx_limit = limit
         return self._ctx_limit
 
+    def _request_context(self) -> int | None:
+        """The context a hint request and its hint must fit: vLLM's (_context_limit), else (HF generate) the
+        policy's max_position_embeddings. HF generate does not stop at it: a request with a long reference solution
+        ran past it (torch's 'index out of range' on learned positions, hints written from positions the model never
+        saw on rotary ones). Training prompts are checked against it before training (train.check_context)."""
+        if (limit := self._context_limit()) is not None:
+            return limit
+        config = self.model.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return getattr(config, "max_position_embeddings", None) or None
+
     # ------------------------------------------------------------------------------------------ the step
     def _sage_generate(self, prompts, rows):
         G, t_start, m = self.num_generations, time.perf_counter(), self._metrics["train"]
@@ -629,11 +640,11 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
 
     def _roll(self, prompts: list, kind: str = "reroll"):
         """Generate one completion per prompt; every process generates the same count (padded). A hint request
-        that leaves no room for the hint in vLLM's context (a long reference solution) is not sent: it comes back
-        empty, as a hint that failed, and the scheduler moves on."""
+        that leaves no room for the hint in the context (_request_context: vLLM's, or the policy's; a long reference
+        solution) is not sent: it comes back empty, as a hint that failed, and the scheduler moves on."""
         ids = list(self._tokenize_prompts(prompts)[0]) if prompts else []
         sent = list(range(len(ids)))
-        if kind == "hint" and ids and (limit := self._context_limit()) is not None:
+        if kind == "hint" and ids and (limit := self._request_context()) is not None:
             sent = [i for i in sent if len(ids[i]) + self._max_new_tokens() <= limit]
             self._counts["hint_requests_too_long"] += len(ids) - len(sent)
         n = len(sent)

@@ -2,7 +2,8 @@
 request with no room is not sent, and a prompt that does not fit fails on every process together (no hang).
 
 vLLM's context (max_model_len) is what the trainer checks against; here, on the HF path, the tests set the
-trainer's context limit directly, and the generation is real. tests/test_vllm.py checks that the limit is read from
+trainer's context limit directly (or, for hint requests with HF generate, the policy's max_position_embeddings), and
+the generation is real. tests/test_vllm.py checks that the limit is read from
 a real vLLM engine."""
 
 from __future__ import annotations
@@ -94,6 +95,30 @@ def test_a_hint_request_with_no_room_is_not_sent_and_training_goes_on(tiny_model
     # every try of every asked hint (the first sample and hint_retries resamples) was held back
     assert metric(trainer, "sage/hint_requests_too_long")[0] >= len(asked) * (1 + spec.hint_retries)
     assert metric(trainer, "sage/hint_rows")[0] == 0
+
+
+def test_a_hint_request_past_the_policys_own_context_is_not_sent_with_hf_generate(tiny_model_dir, tmp_path):
+    """Without vLLM the policy's context (its config's max_position_embeddings) bounds a hint request and its hint
+    (SageGRPOTrainer._request_context): HF generate does not stop at it, and a request with a long reference solution
+    ran past it (torch's 'index out of range' on learned positions, hints from positions never trained on rotary
+    ones). Such a request is held back and counted, as with vLLM's max_model_len."""
+    from sage_core.hints import request_prompt
+
+    spec = small("sage", difficulty="hard")
+    trainer = build_trainer(spec, tmp_path)
+    assert trainer._context_limit() is None  # no vLLM: no max_model_len
+    rows = list(trainer.train_dataset)
+    requests = _lengths(trainer, [request_prompt(HintRequest(r["prompt_id"], r["problem"], r["solution"],
+                                                             str(r["answer"]), 1)) for r in rows])
+    prompts = _lengths(trainer, [r["prompt"] for r in rows])
+    limit = max(prompts) + spec.max_completion_length + 1  # room for every rollout, none for a request and its hint
+    assert min(requests) + spec.hint_max_tokens > limit
+    trainer.model.config.max_position_embeddings = limit
+    trainer.train()
+    asked = read_tracker(tmp_path / "tracker").query("max_level_tried > 0")
+    assert len(asked) > 0 and asked.hint_failed.all()
+    assert metric(trainer, "sage/hint_requests_too_long")[0] >= len(asked) * (1 + spec.hint_retries)
+    assert trainer._request_context() == limit
 
 
 def test_a_rollout_prompt_over_the_context_is_a_clear_error(tiny_model_dir, tmp_path):
