@@ -233,8 +233,9 @@ def _model_context(path: str) -> int | None:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError):
         return None
-    config = getattr(config, "text_config", None) or config
-    return getattr(config, "max_position_embeddings", None)
+    from .models import config_context
+
+    return config_context(config)
 
 
 def _generate_vllm(model_ref: str, benchmarks: dict[str, list[dict]], k: int, temperature: float, top_p: float,

@@ -574,6 +574,13 @@ def check_chat_template(tokenizer, name: str, conversations: dict[str, list[dict
                                "model") from e
 
 
+def config_context(config) -> int | None:
+    """A model's context from its config: max_position_embeddings (a multimodal config's text model's), None where
+    the config does not say."""
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "max_position_embeddings", None) or None
+
+
 def end_of_turn_not_a_stop(tokenizer, generation_config) -> str | None:
     """The token the chat template ends an assistant turn with, where it is none of the tokens a completion stops at
     (the generation config's EOS ids and the tokenizer's EOS, as TRL's eos_token_ids): such a policy writes each

@@ -282,10 +282,10 @@ def check_context(spec: RunSpec, dataset, tokenizer, model) -> None:
     mid-step with torch's 'index out of range in self', one with rotary positions trained silently on positions it
     was never trained for. A DataError naming the model, its context and the lengths, before training."""
     from .data import DataError, prompt_lengths
+    from .models import config_context
     from .prompts import HINT_HEADER
 
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    context = getattr(config, "max_position_embeddings", None)
+    context = config_context(model.config)
     if not context or not len(dataset):
         return
     hint = len(tokenizer.encode(f"\n{HINT_HEADER}\n", add_special_tokens=False)) + spec.hint_max_tokens \

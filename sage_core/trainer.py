@@ -39,6 +39,7 @@ from .generation_cache import generation_cache
 from .hint_drafts import HintDrafts
 from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints, leaks
 from .memory import measured
+from .models import config_context
 from .packing import prompt_buckets
 from .periodic_eval import NoHintEval
 from .prompts import LEVELS, hinted_problem
@@ -401,11 +402,8 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         policy's max_position_embeddings. HF generate does not stop at it: a request with a long reference solution
         ran past it (torch's 'index out of range' on learned positions, hints written from positions the model never
         saw on rotary ones). Training prompts are checked against it before training (train.check_context)."""
-        if (limit := self._context_limit()) is not None:
-            return limit
-        config = self.model.config
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return getattr(config, "max_position_embeddings", None) or None
+        limit = self._context_limit()
+        return limit if limit is not None else config_context(self.model.config)
 
     # ------------------------------------------------------------------------------------------ the step
     def _sage_generate(self, prompts, rows):
