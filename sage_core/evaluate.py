@@ -182,16 +182,14 @@ def generate_hf(model, tokenizer, texts: Sequence[str], k: int = 4, temperature:
     return out
 
 
-def _eos_ids(config, tokenizer) -> list[int] | int | None:
-    """The tokens a completion ends at: the generation config's EOS ids and the tokenizer's EOS, as TRL's rollouts
-    (GRPOTrainer.eos_token_ids) and vLLM stop. A model whose generation_config.json lacks its tokenizer's EOS (a
-    tokenizer given the chat template's end of turn as EOS, a config without generation_config.json) went on
-    writing past it here only: text after the answer, and its last \\boxed{} scored (measured on the tiny model)."""
-    ids = config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids or None
+def _eos_ids(config, tokenizer) -> list[int] | None:
+    """The tokens a completion ends at (models.stop_token_ids), as TRL's rollouts and vLLM stop. A model whose
+    generation_config.json lacks its tokenizer's EOS (a tokenizer given the chat template's end of turn as EOS, a
+    config without generation_config.json) went on writing past it here only: text after the answer, and its last
+    \\boxed{} scored (measured on the tiny model)."""
+    from .models import stop_token_ids
+
+    return stop_token_ids(config, tokenizer) or None
 
 
 def evaluate_rows(model, tokenizer, rows, k: int = 4, temperature: float = 0.6, top_p: float = 0.95,

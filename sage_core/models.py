@@ -581,6 +581,16 @@ def config_context(config) -> int | None:
     return getattr(config, "max_position_embeddings", None) or None
 
 
+def stop_token_ids(generation_config, tokenizer) -> list[int]:
+    """The tokens a completion stops at: the generation config's EOS ids, then the tokenizer's EOS where it is not
+    one of them (TRL's GRPOTrainer.eos_token_ids holds the same ids)."""
+    ids = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
 def end_of_turn_not_a_stop(tokenizer, generation_config) -> str | None:
     """The token the chat template ends an assistant turn with, where it is none of the tokens a completion stops at
     (the generation config's EOS ids and the tokenizer's EOS, as TRL's eos_token_ids): such a policy writes each
@@ -596,10 +606,7 @@ def end_of_turn_not_a_stop(tokenizer, generation_config) -> str | None:
     if not isinstance(text, str) or text.count(mark) != 1:
         return None
     ids = tokenizer.encode(text.split(mark, 1)[1], add_special_tokens=False)
-    stops = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
-    stops = set() if stops is None else {stops} if isinstance(stops, int) else set(stops)
-    stops.add(tokenizer.eos_token_id)
-    if not ids or ids[0] in stops:
+    if not ids or ids[0] in stop_token_ids(generation_config, tokenizer):
         return None
     return tokenizer.convert_ids_to_tokens(ids[0])
 
