@@ -751,7 +751,8 @@ ROW_COLUMNS = ("prompt", "problem", "solution", "answer", "prompt_id", "difficul
 def is_normalised(row: Mapping[str, Any]) -> bool:
     """Whether `row` already is in the row schema, as normalise_records returns it (normalising it again changes
     none of these columns): a chat prompt with a user turn, str problem/solution/prompt_id, an answer free of
-    \\boxed{} and of GSM8K's '####', an int difficulty."""
+    \\boxed{} and of GSM8K's '####', an int difficulty, and a problem and user turns that no DAPO or simple-evals
+    instruction wraps (normalise_records asks the bare problem)."""
     if not all(c in row for c in ROW_COLUMNS):
         return False
     prompt, answer, difficulty = row["prompt"], row["answer"], row["difficulty"]
@@ -760,7 +761,13 @@ def is_normalised(row: Mapping[str, Any]) -> bool:
             and any(m["role"] == "user" for m in prompt)
             and all(isinstance(row[c], str) for c in ("problem", "solution", "answer", "prompt_id"))
             and bool(row["problem"].strip()) and bool(answer) and strip_boxed(answer) == answer
-            and split_gsm8k(answer) is None and isinstance(difficulty, int) and not isinstance(difficulty, bool))
+            and split_gsm8k(answer) is None and isinstance(difficulty, int) and not isinstance(difficulty, bool)
+            and not any(_wrapped(t) for t in [row["problem"]] + [m["content"] for m in prompt if m["role"] == "user"]))
+
+
+def _wrapped(text: str) -> bool:
+    """Whether `text` is a problem inside DAPO's or simple-evals' instruction wrapper (normalise_records removes it)."""
+    return unwrap_dapo(text) != text or unwrap_simple_evals(text) != text
 
 
 def to_dataset(rows: list[dict[str, Any]]):

@@ -166,6 +166,23 @@ def test_rows_already_in_the_schema_are_kept_as_they_are():
             _as_rows(given, "b")
 
 
+
+@pytest.mark.filterwarnings("ignore:.*answer-free")
+def test_schema_rows_whose_prompt_is_a_dapo_or_simple_evals_wrapper_are_unwrapped():
+    """Rows in the row schema but for a prompt (and problem) inside DAPO's or simple-evals' instruction to end with a
+    line 'Answer: ...' are normalised as a file of them is: asked as the bare problem (the reward reads only the last
+    \\boxed{}, so the wrapper's replies scored 0); they were kept as they were, wrapper and all."""
+    row = data.synthetic_rows(1, seed=7)[0]
+    bare = row["problem"]
+    for prefix, suffix in ((data.DAPO_PREFIX, data.DAPO_SUFFIX), data.SIMPLE_EVALS_WRAPPERS[0]):
+        wrapped = prefix + bare + suffix
+        given = row | {"problem": wrapped, "prompt": [m | {"content": wrapped} if m["role"] == "user" else m
+                                                      for m in row["prompt"]]}
+        out = _as_rows([given])[0]
+        assert out["problem"] == bare
+        assert [m["content"] for m in out["prompt"] if m["role"] == "user"] == [bare]
+        assert out["answer"] == row["answer"] and out["prompt_id"] == row["prompt_id"]
+
 def test_render_prompt_uses_the_row_prompt_or_problem(tok):
     row = data.synthetic_rows(1)[0]
     assert render_prompt(tok, row) == f"<|user|>{row['problem']}<|assistant|>"
