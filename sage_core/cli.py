@@ -403,6 +403,12 @@ def check_eval_output(path: str | None) -> None:
         raise SpecError(f"--output {path}: no file can be written in {p.parent} ({e.strerror})") from None
 
 
+def refuse_existing(label: str, path: Path, force: bool) -> None:
+    """Refuse to write over a file already at `path` (an earlier table, a hints file) unless --force was given."""
+    if path.exists() and not force:
+        raise SpecError(f"{label}: exists; give another path, or --force to write it again")
+
+
 def write_eval_output(table, path: str) -> None:
     """The table written to `path` (.parquet or .json) through a file beside it, renamed over it once whole: a
     write that fails (a full disk) leaves the file that was there as it was."""
@@ -476,6 +482,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         for what, p in inputs.items():
             if Path(p).expanduser().resolve() == out:
                 raise SpecError(f"--output {args.output}: is {what}; write the table elsewhere")
+        refuse_existing(f"--output {args.output}", out, args.force)  # an earlier table, before minutes of eval
     from .data import benchmark_rows
     from .evaluate import evaluate
 
@@ -591,8 +598,7 @@ def cmd_hints(args: argparse.Namespace) -> int:
     for f in (out, partial):  # written over (--force, or chunk by chunk): never a data file the spec reads
         if what := sources.get(f.expanduser().resolve()):
             raise SpecError(f"--out {out}: {f} is {what}, which the hints would be written over; write them elsewhere")
-    if out.exists() and not args.force:
-        raise SpecError(f"--out {out}: exists; give another path, or --force to write it again")
+    refuse_existing(f"--out {out}", out, args.force)
     if out.suffix.lower() != ".jsonl":
         raise SpecError(f"--out {out}: a hints file is written as JSON lines: name it .jsonl")
     if args.chunk < 1:
@@ -860,7 +866,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, help="prompts per benchmark (spec eval_num_prompts)")
     p.add_argument("--temperature", type=float, help="sampling temperature (spec eval_temperature)")
     p.add_argument("--top-p", type=float, help="nucleus p (spec eval_top_p)")
-    p.add_argument("--output", help="write the table to this .parquet or .json file")
+    p.add_argument("--output", help="write the table to this .parquet or .json file (not one that exists: --force)")
+    p.add_argument("--force", action="store_true", help="write --output again where it exists")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("hints", help="write a teacher's hints for a spec's training prompts to a hints file",

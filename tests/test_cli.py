@@ -884,11 +884,42 @@ def test_eval_output_that_fails_to_be_written_keeps_the_file_there_and_shows_the
     assert rc == 0, err
     earlier = out.read_bytes()
     monkeypatch.setattr(pd.DataFrame, "to_parquet", disk_full)
-    rc, stdout, err = run_cli(capsys, *argv)
+    rc, stdout, err = run_cli(capsys, *argv, "--force")
     assert rc == 1 and err == (f"sage eval: --output {out}: not written (No space left on device); the table is "
                                "above, the file there is as it was\n"), err
     assert "avg_at_k" in stdout and "0.5" in stdout
     assert out.read_bytes() == earlier and sorted(p.name for p in tmp_path.iterdir()) == ["eval.parquet"]
+
+
+@pytest.mark.parametrize("name", ["eval.parquet", "eval.json"])
+def test_eval_output_that_exists_is_refused_before_evaluating_unless_force(capsys, tmp_path, monkeypatch, name):
+    """An --output already there (an earlier table) was written over without a word once the evaluation ended. It
+    is refused before anything loads or evaluates (a model that does not exist gets this error, not its own), the
+    file as it was, as `sage hints --out` refuses one; --force writes the new table over it."""
+    import types
+
+    import pandas as pd
+
+    out = tmp_path / name
+    out.write_bytes(b"an earlier table")
+    monkeypatch.setitem(sys.modules, "sage_core.evaluate", None)  # evaluating would raise
+    for model in ("tiny", str(tmp_path / "no-such-model")):
+        rc, stdout, err = run_cli(capsys, "eval", "--model", model, "--benchmark", "s=synthetic", "--output", str(out))
+        assert rc == 2 and err == f"sage eval: --output {out}: exists; give another path, or --force to write it " \
+                                  "again\n", err
+        assert stdout == "" and out.read_bytes() == b"an earlier table"
+
+    def fake_evaluate(model_ref, benchmarks, **kw):
+        return pd.DataFrame([{"benchmark": n, "k": kw["k"], "avg_at_k": 0.5, "pass_at_k": 1.0, "n_prompts": 3}
+                             for n in benchmarks])
+
+    monkeypatch.setitem(sys.modules, "sage_core.evaluate", types.SimpleNamespace(evaluate=fake_evaluate))
+    rc, _, err = run_cli(capsys, "eval", "--model", "tiny", "--benchmark", "s=synthetic", "--k", "2", "--output",
+                         str(out), "--force")
+    assert rc == 0, err
+    table = pd.read_parquet(out) if name.endswith(".parquet") else pd.DataFrame(json.loads(out.read_text()))
+    assert table.to_dict("records") == [{"benchmark": "s", "k": 2, "avg_at_k": 0.5, "pass_at_k": 1.0, "n_prompts": 3}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # nothing left beside it
 
 
 def test_eval_hands_spec_settings_to_evaluate(capsys, tmp_path, monkeypatch):
@@ -1130,12 +1161,12 @@ def test_eval_of_a_runs_model_on_heldout_takes_the_runs_heldout_rows(capsys, tmp
     for model in (tmp_path / "run", tmp_path / "run" / "final"):
         out = tmp_path / "t.parquet"
         rc, _, err = run_cli(capsys, "eval", "--model", str(model), "--benchmark", "h=heldout", "--k", "1",
-                             "--num-prompts", "8", "--output", str(out))
+                             "--num-prompts", "8", "--output", str(out), "--force")
         assert rc == 0, err
         assert "held-out rows as" in err and f"data={str(data)!r}" in err and "num_prompts=4" in err
         assert pd.read_parquet(out)["n_prompts"].tolist() == [2]  # rows 5 and 6 of the file
     rc, _, err = run_cli(capsys, "eval", "--model", str(tmp_path / "run" / "final"), "--benchmark", "h=heldout",
-                         "--k", "1", "--set", "num_prompts=3", "--output", str(out))
+                         "--k", "1", "--set", "num_prompts=3", "--output", str(out), "--force")
     assert rc == 0, err
     assert pd.read_parquet(out)["n_prompts"].tolist() == [3]  # the file's rows after its first 3
 
@@ -1208,7 +1239,7 @@ def test_eval_of_a_runs_folder_skips_checkpoints_being_saved_cut_short_or_remove
     monkeypatch.setattr(evaluate_module, "evaluate", rotating)
     out = tmp_path / "curve.parquet"
     argv = ["eval", "--model", str(run), "--benchmark", "h=heldout", "--k", "1", "--num-prompts", "2", "--set",
-            "max_completion_length=8", "--output", str(out)]
+            "max_completion_length=8", "--output", str(out), "--force"]
     rc, stdout, err = run_cli(capsys, *argv)
     assert rc == 0, err
     assert pd.read_parquet(out)["step"].tolist() == [1, 5]
