@@ -155,9 +155,10 @@ def _values(text: str) -> set[Fraction]:
     """The values of the numbers written in `text`, each in every reading: "1/2" is 1/2 and also 1 and 2, "3,400" is
     3400 and also 3 and 400, "12,100,200" (or "12 100 200", _quantities) also 12100 and 100200: each run of up to
     seven of its groups that the groups beside it leave a number of its own (not 10000 in 10,000,000: no number starts
-    000; seven as for a space, and a hint's run of hundreds of groups is read in linear time), "50%" is 50 and also
-    1/2, "2 1/2" is 2, 1/2 and also 5/2 (the guard rejects a hint on any reading). A number of over 1000 digits is
-    none (_no_huge)."""
+    000; seven as for a space, and a hint's run of hundreds of groups is read in linear time), a sign before it the
+    sign of the runs that start at its first group ("-12 100 200" is -12100 and 100200, as "-12100" is not 12100),
+    "50%" is 50 and also 1/2, "2 1/2" is 2, 1/2 and also 5/2 (the guard rejects a hint on any reading). A number of
+    over 1000 digits is none (_no_huge)."""
     text = _no_huge(text)
     out: set[Fraction] = {Fraction(m[1]) / 100 for m in _PERCENT.finditer(text)}
     for m in _MIXED.finditer(text):
@@ -171,7 +172,7 @@ def _values(text: str) -> set[Fraction]:
         if a is not None:
             out.update((Fraction(a), Fraction(b)))
         elif grouped is not None:
-            groups = grouped.lstrip("-").split(",")
+            groups = grouped.split(",")  # a sign is its first group's: -12,100,200 is -12, -12100, 100 and 100200
             out.update(map(Fraction, groups))
             out.update(Fraction("".join(groups[i:j])) for i in range(len(groups))
                        for j in range(i + 2, min(i + 7, len(groups)) + 1)

@@ -227,6 +227,17 @@ def req(pid="p1", level=3, answer="9"):
     ("rows 12 100 200 in all", "100200", True),
     ("rows 12,100,200 in all", "12100", True),
     ("so 1 100 100 here", "1100", True),
+    # a sign before the run is its first group's, and so of each run that starts there (as "-12100" is -12100, not
+    # 12100): "-12 100 200" is -12, -12100 and -12100200, and also 100, 200 and 100200
+    ("so x = -12 100 200 here", "-12100", True),
+    ("so x = -12,100,200 here", "-12100", True),
+    ("so x = -12 100 200 here", "-12", True),
+    ("so x = -12 100 200 here", "-12100200", True),
+    ("so x = -12 100 200 here", "100200", True),
+    ("so x = -12 100 200 here", "-100200", False),
+    ("so x = -12 100 200 here", "-100", False),
+    ("so x = -12 100 200 here", "12100", False),
+    ("so x = -12100 here", "12100", False),
     ("divide 10,000,000 by 1,000", "10000", False),
     ("divide 10 000 000 by 1 000", "10000", False),
     # numbers that name no quantity: exponents, subscripts, step numbers; a quantity beside them still counts
