@@ -223,11 +223,13 @@ def _cardinal(words: list[str]) -> int | None:
     return total + current
 
 
+# What a sign may stand before: a number in digits or a \\frac (and \u221e or \\infty: "\u2014\u221e" is -\\infty)
+_SIGNABLE = r"(?=\.?\d|\\[dt]?frac|\\infty(?![A-Za-z])|\u221e)"
 # A sign in words: "negative" always; "minus" where it cannot be a subtraction, i.e. not after an operand (a number in
 # digits or in words, a single letter, a LaTeX symbol as \\pi, a closing bracket, a percent sign), as the sign "-" is
 # read only where it cannot be one: "the answer is minus seven" and "x = minus 7" are -7, "ten minus seven", "12 minus
 # 7", "x minus 7" and "x^2 minus 7" are not.
-_SIGN_WORD = re.compile(r"\b(negative|minus)\s+(?=\.?\d|\\[dt]?frac)", re.IGNORECASE)  # before digits (words: below)
+_SIGN_WORD = re.compile(r"\b(negative|minus)\s+" + _SIGNABLE, re.IGNORECASE)  # before digits (words: below)
 _OPERAND = re.compile(rf"(?:[\d)\]}}%]|(?<![A-Za-z\\])[A-Za-z]|\\[A-Za-z]+"
                       rf"|\b(?:{_CARDINAL}|{'|'.join(_DENOMINATORS)})s?)\s*$", re.IGNORECASE)
 
@@ -242,13 +244,14 @@ def _is_sign(text: str, m: re.Match) -> bool:
 # ("the answer is \u20147", "(\u20143, 5)"), and one after "=" whatever the spaces ("x = \u2014 7"). Elsewhere it is
 # punctuation, which it mostly is ("the sum\u20147 apples\u2014", "add 7 \u2014 5 is left", "pages 3\u20137"): read
 # as a minus everywhere (as _NORMAL reads the en dash), "twenty\u2014two" would be 22 and no longer 20 and 2.
-_EM_MINUS = re.compile(r"(?:^|(?<=[\s(]))\u2014(?=\.?\d|\\[dt]?frac)|(?<==)\s*\u2014\s*(?=\.?\d|\\[dt]?frac)")
+_EM_MINUS = re.compile(r"(?:^|(?<=[\s(]))\u2014" + _SIGNABLE + r"|(?<==)\s*\u2014\s*" + _SIGNABLE)
 
 
 def _signed(hint: str) -> str | None:
-    """The hint with each sign in words before a number in digits, and each em dash that is a minus (_EM_MINUS),
-    written "-" ("is minus 3/4" is "is -3/4", "is \u20147" is "is -7"), None where it has none: the guard reads the
-    hint both ways, as "negative five" is -5 and also 5, and "is \u20147" -7 and also 7."""
+    """The hint with each sign in words before a number in digits (or \u221e, _SIGNABLE), and each em dash that is a
+    minus (_EM_MINUS), written "-" ("is minus 3/4" is "is -3/4", "is \u20147" is "is -7", "is \u2014\u221e" is
+    "is -\u221e"), None where it has none: the guard reads the hint both ways, as "negative five" is -5 and also 5,
+    and "is \u20147" -7 and also 7."""
     out = _EM_MINUS.sub("-", _SIGN_WORD.sub(lambda m: "-" if _is_sign(hint, m) else m[0], hint))
     return out if out != hint else None
 
@@ -422,10 +425,16 @@ def leaks(hint: str, answer: str) -> bool:
         return value in found or "%" in answer and value / 100 in found  # 17% is also 0.17
     ans = re.sub(r"\s", "", re.sub(_TEXT, r"\1", _clean(answer)))
     ans = re.sub(r"^\((\w)\)$", r"\1", ans)  # a choice: (C) is also written C
+    # "is \u2014\u221e" is -\infty, and also \infty; "(\u20143, 5)" is (-3, 5), and also (\u20143, 5)
+    return bool(ans) and any(_names(reading, ans) for reading in (hint, _signed(hint)) if reading is not None)
+
+
+def _names(hint: str, ans: str) -> bool:
+    """Whether the hint writes `ans`, an answer that is no number (typeset as leaks() reads it), as text."""
     text = re.sub(_TEXT, r"\1", _clean(hint))
     if ans == "A":  # the choice A, not the article: "A good first step" is no leak, "(A)" and "A is right" are
         text = re.sub(r"\bA(?=\s+[a-z])(?!\s+is\b)", " ", text)
-    return bool(ans) and (_mentions(text, ans) or any(_mentions(text, s, alone=True) for s in _slashed(ans)))
+    return _mentions(text, ans) or any(_mentions(text, s, alone=True) for s in _slashed(ans))
 
 
 def _slashed(ans: str) -> set[str]:

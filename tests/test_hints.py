@@ -336,6 +336,18 @@ def req(pid="p1", level=3, answer="9"):
     ("the sum\u20147 apples\u2014is next", "7", True),
     ("add 7 \u2014 5 is left", "-5", False),
     ("read pages 3\u20147 first", "-7", False),
+    # ... and so before \u221e (or \infty), as a minus before a number is: there an answer that is no number is read in
+    # both readings too
+    ("so the limit is \u2014\u221e", "-\\infty", True),
+    ("so the limit is \u2014\u221e", "-\u221e", True),
+    ("so the limit is \u2014\\infty here", "-\\infty", True),
+    ("so x = \u2014 \u221e here", "-\\infty", True),
+    ("so x is in (\u2014\u221e, 3]", "(-\\infty,3]", True),
+    ("the point (\u20143, 5)", "(-3,5)", True),
+    ("it tends to minus \u221e", "-\\infty", True),
+    ("so the limit is \u2014\u221e", "\\infty", True),
+    ("it grows without bound\u2014\u221e is the limit", "-\\infty", False),
+    ("it tends to \u221e", "-\\infty", False),
     # full-width forms as ASCII, invisible characters (zero-width, word joiner, BOM, soft hyphen) as none
     ("it is \uff11\uff12 in all", "12", True),
     ("x = \uff0d\uff17", "-7", True),
