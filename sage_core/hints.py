@@ -90,6 +90,7 @@ def _clean(s: str) -> str:
 PI = "\u03c0"  # as some models write \\pi
 INFINITY = "\u221e"  # as some models write \\infty
 _TEXT = r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"  # \text{cm}: words inside maths
+_UNIT = _TEXT + r"(?:\^(?:-?\d|\{-?\d+\}))?"  # a unit after a number, its exponent with it: \text{ mol}^{-1}
 
 # Characters a hint may write a number with, as the guard reads them: the dashes models write as a minus (the minus
 # sign \u2212, the en dash \u2013, the figure dash, the small hyphen-minus) and as a hyphen (\u2010, and \u2011 as in
@@ -286,13 +287,14 @@ def _word_values(text: str) -> set[Fraction]:
     return out
 
 
-# A number in scientific notation: 1.2e1, 1.2E+1, 5e-1, and 1.2 \times 10^{1} (also \cdot, \u00d7, \u00b7, * or x, and
-# 10^1, 10\u00b9): read from the hint as written, as _quantities leaves exponents out. An exponent of at most three
-# digits (1e99999 is no hint's answer, and its value would take long to compute).
+# A number in scientific notation: 1.2e1, 1.2E+1, 5e-1, and 1.2 \times 10^{1} (also \cdot, \u00d7, \u00b7, * or x, the
+# x spaced or touching the digits, as in 6.02x10^{23} and as an answer read without spaces has it; and 10^1,
+# 10\u00b9): read from the hint as written, as _quantities leaves exponents out. An exponent of at most three digits
+# (1e99999 is no hint's answer, and its value would take long to compute).
 _SUPERSCRIPT = str.maketrans("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b", "0123456789+-")
 _SCIENTIFIC = re.compile(
     r"(?<![\w.])(-?(?:\d+(?:\.\d+)?|\.\d+))(?:[eE]([+-]?\d{1,3})(?!\w|\.\d)"
-    r"|\s*(?:\\times|\\cdot|[\u00d7\u00b7*]|(?<=\s)x(?=\s))\s*10\s*"
+    r"|\s*(?:\\times|\\cdot|[\u00d7\u00b7*]|(?<=[\s\d])x(?=\s|10))\s*10\s*"
     r"(?:\^\s*(?:\{\s*([+-]?\d{1,3})\s*\}|([+-]?\d{1,3})(?!\d))"
     r"|([\u207a\u207b]?[\u2070\u00b9\u00b2\u00b3\u2074-\u2079]{1,3})(?![\u2070\u00b9\u00b2\u00b3\u2074-\u2079])))")
 
@@ -319,14 +321,14 @@ def _scientific_values(text: str) -> set[Fraction]:
 
 def _answer_value(answer: str) -> Fraction | None:
     """The answer's value where the answer is one number (17, 9.0, 0.5, 1,234, 3/4, -\\frac{3}{4}, \\frac{-3}{4};
-    in scientific notation, 6.02e23 and 6.02 \\times 10^{23} as in a hint (_SCIENTIFIC, whose x needs spaces, which
-    an answer is read without: 6.02x10^{23} stays text); also with LaTeX thin spaces, a percent sign, a degree sign
-    (^\\circ, \\degree or the character \u00b0), an escaped dollar sign, LaTeX digit grouping (10{,}000), a unit
-    after it as in 5\\text{ cm}, inside \\text{}, or after a variable as in x = 3), else None. A number of over 1000
-    digits (_HUGE) is None: matched as text."""
+    in scientific notation, 6.02e23, 6.02 \\times 10^{23} and 6.02x10^{23} as in a hint (_SCIENTIFIC); also with
+    LaTeX thin spaces, a percent sign, a degree sign (^\\circ, \\degree or the character \u00b0), an escaped dollar
+    sign, LaTeX digit grouping (10{,}000), a unit after it as in 5\\text{ cm} (with its exponent and others after it:
+    \\text{ mol}^{-1}, \\text{ m}\\cdot\\text{s}^{-2}), inside \\text{}, or after a variable as in x = 3), else None.
+    A number of over 1000 digits (_HUGE) is None: matched as text."""
     a = re.sub(r"\s", "", _clean(answer)).replace("{,}", ",")  # MATH's 10{,}000, as the reward reads it
     a = re.sub(r"^[a-zA-Z](?:_\{?\w+\}?)?=", "", a)  # x=3, x_1=3
-    a = re.sub(r"(?<=[\d}])" + _TEXT + r"(?:\^\{?\d\}?)?$", "", a)  # a unit: 5\text{cm}, 3\mathrm{m}^2
+    a = re.sub(r"(?<=[\d}])" + _UNIT + r"(?:(?:\\cdot|/)?" + _UNIT + ")*$", "", a)  # a unit: 5\text{cm}, 3\mathrm{m}^2
     a = re.sub("^" + _TEXT + "$", r"\1", a)  # \text{5}
     if _HUGE.search(a) is not None:  # a huge one: matched as text
         return None

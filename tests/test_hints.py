@@ -158,6 +158,20 @@ def req(pid="p1", level=3, answer="9"):
     ("so it is minus 6.02e23", "-6.02e23", True),
     ("so it is \u20146.02e23", "-6.02e23", True),
     ("so it is 6.02\\,\\times\\,10^{22} of them", "6.02\\times10^{23}", False),
+    # ... also one with a bare x for the times sign (spaced or not) or a unit with its exponent after it: by value, not
+    # as text (it was matched only where the hint wrote it the same way)
+    ("so it is 6.02 \\cdot 10^{23} of them", "6.02x10^{23}", True),
+    ("so it is 6.02e23 of them", "6.02x10^{23}", True),
+    ("so it is 6.02x10^{23} of them", "6.02 x 10^{23}", True),
+    ("so it is 6.02 x10^{23} of them", "6.02x10^{23}", True),
+    ("so it is 6.02x10^{23} of them", "6.02e23", True),
+    ("so it is 6.02 \\cdot 10^{23} per mole", "6.02\\times10^{23}\\text{ mol}^{-1}", True),
+    ("so it is 6.02e23 per mole", "6.02\\times10^{23}\\text{ mol}^{-1}", True),
+    ("so it is 6.02\\times10^{23}\\text{ mol}^{-1}", "6.02\\times10^{23}\\text{ mol}^{-1}", True),
+    ("it falls at 9.8 m/s^2", "9.8\\text{ m}\\cdot\\text{s}^{-2}", True),
+    ("so it is 6.02e22 of them", "6.02x10^{23}", False),
+    ("so it is 6.02 of them", "6.02\\times10^{23}\\text{ mol}^{-1}", False),
+    ("so it is 23 of them", "6.02x10^{23}", False),
     # any other answer as a substring, in the same typesetting: \dfrac is \frac, \left( is (, thin spaces go
     ("the angle is \\frac{\\pi}{4} here", "\\dfrac{\\pi}{4}", True),
     ("the point \\left(1, 2\\right)", "(1,2)", True),
