@@ -184,9 +184,11 @@ def spec_params(params: dict[str, str], tags: dict[str, str]) -> dict[str, str]:
 
 RUN_COLUMNS = ["run_id", "run_name", "experiment_id", "status", "start_time", "end_time", "kind", "method",
                "hint_source", "model", "parent_run_id", "artifact_uri", "num_generations", "params", "metrics",
-               "metric_steps", "last_step", "last_active"]
+               "metric_steps", "last_step", "last_active", "ran_seconds"]
 LAST_STEP_TAG = "sage.last_step"  # sage_core.tracking.LAST_STEP_TAG
 REOPENED_TAG = "sage.reopened_at"  # sage_core.tracking.REOPENED_TAG (a test keeps them equal)
+RAN_BEFORE_TAG = "sage.ran_seconds_before_reopening"  # sage_core.tracking.RAN_BEFORE_TAG (a test keeps them equal)
+WALL_METRIC = "summary/wall_seconds"  # a training run's sessions' wall time (sage_core.train.TrainTime), at its end
 
 
 def last_active(start_ms: int | None, end_ms: int | None, tags: dict[str, str]) -> pd.Timestamp:
@@ -196,6 +198,31 @@ def last_active(start_ms: int | None, end_ms: int | None, tags: dict[str, str]) 
     reopened = str(tags.get(REOPENED_TAG, ""))
     ms = max(start_ms or 0, end_ms or 0, int(reopened) if reopened.isdigit() else 0)
     return pd.to_datetime(ms, unit="ms", utc=True) if ms else pd.NaT
+
+
+def ran_seconds(start_ms: int | None, end_ms: int | None, tags: dict[str, str],
+                wall: tuple[float, int] | None = None) -> float:
+    """The seconds an ended run ran (the runs page's minutes), NaN without an end (RUNNING). A run stopped and resumed
+    later (the same MLflow run reopened: `sage train` resuming, a flow run again) keeps its first start, so its start
+    to its end counts the time it was not running too: its attempts' spans are summed instead, as
+    sage_core.tracking.ran_seconds does (a test keeps them equal), from the seconds it ran before its last reopening
+    (RAN_BEFORE_TAG) and that reopening to its end. A run reopened by a version that did not record them: its training
+    sessions' wall seconds (`wall`: summary/wall_seconds and when it was logged, ms; only if logged since the
+    reopening, model loading and saving included, the evaluations of a flow not), else its start to its end."""
+    if not end_ms or not start_ms:
+        return float("nan")
+    reopened = str(tags.get(REOPENED_TAG, ""))
+    if not reopened.isdigit():  # never reopened: one span
+        return (end_ms - start_ms) / 1000
+    try:
+        before = float(tags[RAN_BEFORE_TAG])
+    except (KeyError, ValueError):
+        before = float("nan")
+    if np.isfinite(before) and end_ms >= int(reopened):
+        return before + (end_ms - int(reopened)) / 1000
+    if wall is not None and np.isfinite(wall[0]) and wall[1] >= int(reopened):
+        return float(wall[0])
+    return (end_ms - start_ms) / 1000
 
 
 def _metrics_until(c, r, last: int | None) -> tuple[dict, dict]:
@@ -242,6 +269,9 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
         last = int(t[LAST_STEP_TAG]) if r.info.status != "RUNNING" and str(t.get(LAST_STEP_TAG, "")).isdigit() \
             else None
         metrics, steps = _metrics_until(c, r, last)
+        end = r.info.end_time if r.info.status != "RUNNING" else None
+        wall = next(((m.value, m.timestamp) for m in getattr(r.data, "_metric_objs", None) or []
+                     if m.key == WALL_METRIC), None)
         rows.append({
             "run_id": r.info.run_id, "run_name": r.info.run_name or t.get("mlflow.runName", r.info.run_id[:8]),
             "experiment_id": r.info.experiment_id, "status": r.info.status,
@@ -257,6 +287,7 @@ def runs(uri: str, experiment_id: str) -> pd.DataFrame:
             "artifact_uri": r.info.artifact_uri, "num_generations": int(ng) if ng and str(ng).isdigit() else None,
             "params": p, "metrics": metrics, "metric_steps": steps,
             "last_step": last, "last_active": last_active(r.info.start_time, r.info.end_time, t),
+            "ran_seconds": ran_seconds(r.info.start_time, end, t, wall),
         })
     df = pd.DataFrame(rows, columns=RUN_COLUMNS)
     for col in ("start_time", "end_time", "last_active"):  # a column of NaT only (every run still running) is

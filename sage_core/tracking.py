@@ -58,6 +58,8 @@ LAST_STEP_TAG = "sage.last_step"  # the step the run's model was trained to (set
 RESUMED_PREFIX = "sage.resumed."  # + field: the value of a field changed when the run was reopened
 # when the run was last reopened (ms since the epoch, as MLflow's times): its start time stays the first attempt's
 REOPENED_TAG = "sage.reopened_at"
+# the seconds the run ran before its last reopening (its attempts' spans, not the time it was stopped): ran_seconds
+RAN_BEFORE_TAG = "sage.ran_seconds_before_reopening"
 SPEC_TAGS = ("sage.method", "sage.hint_source", "sage.model", "sage.spec_key")  # from the spec
 EVAL_ARTIFACT = "eval/eval.parquet"
 DROPPED_PROMPTS = "dropped_prompts.json"  # rows over max_prompt_length, left out of training (sage_core.train)
@@ -211,6 +213,9 @@ def open_run(spec: RunSpec, kind: str, experiment: str = DEFAULT_EXPERIMENT, run
             if frid:
                 c.set_tag(run_id, "prefect.flow_run_id", frid)
             c.set_tag(run_id, "sage.resumed", str(int(run.data.tags.get("sage.resumed", "0")) + 1))
+            ran = ran_seconds(run)  # up to this reopening; none where an earlier one did not record it
+            if ran is not None:
+                c.set_tag(run_id, RAN_BEFORE_TAG, f"{ran:.3f}")
             c.set_tag(run_id, REOPENED_TAG, str(int(time.time() * 1000)))  # last_active
             _respec_run(run, spec, kind)
             return run_id
@@ -395,6 +400,31 @@ def last_active(run: Run) -> int:
     earlier end, the latest time known of it."""
     reopened = run.data.tags.get(REOPENED_TAG, "")
     return max(run.info.start_time or 0, run.info.end_time or 0, int(reopened) if reopened.isdigit() else 0)
+
+
+def ran_seconds(run: Run) -> float | None:
+    """The seconds `run` ran up to its latest end: its attempts' spans (its start, and each reopening, to the end that
+    followed) summed. A run stopped and resumed later keeps its first start, so its start to its end counts the time
+    it was not running too. An attempt that recorded no end (killed outright: left RUNNING, or ended without one)
+    counts to its last metric point, if it logged any (each key's latest point, with its time). None when unknown:
+    the run was reopened by a version that did not record RAN_BEFORE_TAG. The dashboard's runs page reads the tags
+    with the same rule (dashboards.data.ran_seconds)."""
+    tags = run.data.tags
+    reopened = str(tags.get(REOPENED_TAG, ""))
+    if reopened.isdigit():
+        try:
+            before = float(tags[RAN_BEFORE_TAG])
+        except (KeyError, ValueError):
+            return None
+        if not math.isfinite(before):
+            return None
+        opened = int(reopened)
+    else:
+        before, opened = 0.0, run.info.start_time or 0
+    end = run.info.end_time
+    if run.info.status == "RUNNING" or not end or end < opened:
+        end = max((m.timestamp for m in getattr(run.data, "_metric_objs", None) or []), default=opened)
+    return before + max(0, end - opened) / 1000
 
 
 def find_runs(experiment: str = DEFAULT_EXPERIMENT, *, spec_key: str | None = None, kind: str | None = None,

@@ -183,6 +183,65 @@ def test_a_reopened_running_run_shows_no_end_of_its_earlier_attempt(monkeypatch,
     assert table.loc[rid, "minutes"] == 20.0
 
 
+def test_minutes_of_a_run_resumed_hours_later_leave_out_the_time_it_was_stopped(monkeypatch, tmp_path):
+    """A run trained for 30 minutes, stopped, and resumed 10 hours after its start (the same MLflow run reopened by
+    tracking.open_run, as `sage train` and the flows do) for 20 more minutes ran 50 minutes: the runs page showed its
+    start to its end, 10 h 20 min. Runs reopened by a version that recorded no spans fall back: their training
+    sessions' wall time logged since the reopening (summary/wall_seconds), else their start to their end, as a run
+    never reopened."""
+    from mlflow.entities import Metric
+
+    from dashboards import data as D
+    from sage_core import tracking
+    from sage_core.spec import RunSpec
+
+    try:
+        from tests.dashboard_fixtures import _experiment, _store
+    except ImportError:
+        from dashboard_fixtures import _experiment, _store
+
+    uri, client = _store(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # tracking.open_run's store
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    exp = _experiment(client, tmp_path, "resumed-later")
+    minute, hour = 60_000, 3_600_000
+    start = int(time.time() * 1000) - 10 * hour
+    tags = {"sage.kind": "train", "sage.method": "grpo"}
+
+    def stopped(name: str) -> str:  # trained 30 minutes from 10 hours ago, then stopped
+        rid = client.create_run(exp, run_name=name, start_time=start, tags=tags).info.run_id
+        client.set_terminated(rid, "KILLED", end_time=start + 30 * minute)
+        return rid
+
+    resumed = stopped("resumed")
+    tracking.open_run(RunSpec(method="grpo"), "train", run_id=resumed)  # resumed now
+    reopened = int(client.get_run(resumed).data.tags[tracking.REOPENED_TAG])
+    assert reopened - start >= 10 * hour and D.RAN_BEFORE_TAG == tracking.RAN_BEFORE_TAG
+    assert float(client.get_run(resumed).data.tags[tracking.RAN_BEFORE_TAG]) == 30 * 60
+    client.set_terminated(resumed, "FINISHED", end_time=reopened + 20 * minute)
+
+    old_wall, old_span = stopped("older, wall logged"), stopped("older, nothing logged")
+    for rid in (old_wall, old_span):  # reopened by a version without the spans: the reopening tag only
+        client.update_run(rid, "RUNNING")
+        client.set_tag(rid, D.REOPENED_TAG, str(start + 9 * hour))
+    client.log_batch(old_wall, metrics=[Metric(D.WALL_METRIC, 2400.0, start + 9 * hour + 12 * minute, 4)])
+    client.log_batch(old_span, metrics=[Metric(D.WALL_METRIC, 1800.0, start + 31 * minute, 2)])  # the first attempt's
+    for rid in (old_wall, old_span):
+        client.set_terminated(rid, "FINISHED", end_time=start + 9 * hour + 15 * minute)
+    never = client.create_run(exp, run_name="never reopened", start_time=start, tags=tags).info.run_id
+    client.set_terminated(never, "FINISHED", end_time=start + 45 * minute)
+
+    D.runs.clear()
+    frame = D.runs(uri, exp).set_index("run_id")
+    assert frame.loc[resumed, "ran_seconds"] == tracking.ran_seconds(client.get_run(resumed)) == 50 * 60
+    table = _frame(_ok(_app(monkeypatch, uri).run()), "run_id").set_index("run_id")
+    assert table.loc[resumed, "minutes"] == 50.0  # 30 + 20, not its start to its end
+    assert (frame.loc[resumed, "end_time"] - frame.loc[resumed, "start_time"]).total_seconds() > 10 * 3600
+    assert table.loc[old_wall, "minutes"] == 40.0  # its sessions' wall time, logged since its reopening
+    assert table.loc[old_span, "minutes"] == 9 * 60 + 15.0  # a wall time of the attempt before: start to end
+    assert table.loc[never, "minutes"] == 45.0
+
+
 def test_a_run_resumed_and_ended_again_is_read_again(tmp_path):
     """A FINISHED run trained on (more max_steps) ends FINISHED again: its history and tracker are read again, not
     served from the cache of its first end."""

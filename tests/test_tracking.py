@@ -74,6 +74,34 @@ def test_open_run_tags_params_spec_and_resume(store, tmp_path):
     assert not resumed and rid3 != rid and tracking.read_run_id(out) == rid3
 
 
+def test_a_reopened_run_records_the_time_its_attempts_ran(store, tmp_path):
+    """Each reopening records the seconds the run ran before it (RAN_BEFORE_TAG; ran_seconds sums them with the
+    span since): a run keeps its first start, so its start to its end counts the time it was stopped. An attempt
+    killed outright (left RUNNING, no end) counts to its last metric point."""
+    from mlflow.entities import Metric
+
+    spec = RunSpec(method="grpo", max_steps=2)
+    out = tmp_path / "out"
+    rid, _ = tracking.resume_or_create_run(spec, "train", out, experiment="t-ran")
+    c = tracking.client()
+    start = c.get_run(rid).info.start_time
+    c.log_batch(rid, metrics=[Metric("reward", 0.5, start + 600_000, 1)])  # then killed outright: RUNNING still
+    assert tracking.resume_or_create_run(spec, "train", out, experiment="t-ran") == (rid, True)
+    run = c.get_run(rid)
+    assert float(run.data.tags[tracking.RAN_BEFORE_TAG]) == 600.0
+    reopened = int(run.data.tags[tracking.REOPENED_TAG])
+    c.set_terminated(rid, "KILLED", end_time=reopened + 60_000)  # stopped a minute after the reopening
+    assert tracking.ran_seconds(c.get_run(rid)) == 660.0
+    tracking.resume_or_create_run(spec, "train", out, experiment="t-ran")
+    assert float(c.get_run(rid).data.tags[tracking.RAN_BEFORE_TAG]) == 660.0
+    # reopened by a version that recorded no spans: unknown, and not recorded at the next reopening either
+    c.delete_tag(rid, tracking.RAN_BEFORE_TAG)
+    tracking.finish_run(rid)
+    assert tracking.ran_seconds(c.get_run(rid)) is None
+    tracking.resume_or_create_run(spec, "train", out, experiment="t-ran")
+    assert tracking.RAN_BEFORE_TAG not in c.get_run(rid).data.tags
+
+
 def test_a_run_resumed_with_another_experiment_says_where_it_logs(store, tmp_path, caplog):
     """`sage train --mlflow --experiment B` resuming an output dir whose run is in experiment A reopens that run, in A
     (MLflow cannot move a run): a warning names both, where nothing said the experiment asked for was not used. No

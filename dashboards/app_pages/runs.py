@@ -46,7 +46,7 @@ table = pd.DataFrame({
     "status": view["status"],
     "G": view["num_generations"],
     "started": view["start_time"].dt.tz_convert(None),
-    "minutes": ((view["end_time"] - view["start_time"]).dt.total_seconds() / 60).round(1),
+    "minutes": (view["ran_seconds"] / 60).round(1),
     "collapsed (last)": [_last(m, "sage/frac_collapsed") for m in view["metrics"]],
     "reward (last)": [_last(m, "reward") for m in view["metrics"]],
     "no-hint eval (last)": [_last_eval(m, s) for m, s in zip(view["metrics"], view["metric_steps"])],
@@ -61,6 +61,10 @@ st.dataframe(table, hide_index=True, key="runs_table", column_config={
     "no-hint eval (last)": st.column_config.NumberColumn(format="%.3f", help="avg@k without hints, the last "
                                                           "eval while training (eval_every)"),
     "started": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm"),
+    "minutes": st.column_config.NumberColumn(help="the time the run ran, once ended: its start to its end, or for a "
+                                             "run stopped and resumed later its attempts summed (the time it was "
+                                             "stopped left out; resumed by an older version: its training "
+                                             "sessions' wall time, summary/wall_seconds, else start to end)"),
     "selected": st.column_config.CheckboxColumn(help="picked in the sidebar"),
     "mlflow": st.column_config.LinkColumn("MLflow", display_text="open"),
 })
