@@ -48,6 +48,10 @@ from .schedulers import Action, Scheduler, make_scheduler
 from .tracker import PromptTracker
 
 log = logging.getLogger(__name__)
+# generation flags only sampling reads, at transformers' defaults, which greedy decoding takes without a warning: set
+# while HF generate decodes greedily (hints), put back after (TRL's top_k=0, and a model's own top_k when unset, made
+# generate warn at every run that greedy decoding ignores it)
+GREEDY_NEUTRAL = {"top_k": 50, "top_p": 1.0, "min_p": None}
 
 POOL_FILE = "sage_prompt_pool.json"  # in a checkpoint: each process's place in its fresh-prompt pool
 POOL_SEED_OFFSET = 0x5EED  # the fresh-prompt pool's permutation is seeded apart from the sampler's (_draw_prompt)
@@ -718,6 +722,8 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
             new = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
             if temperature > 0:
                 new["temperature"] = temperature
+            else:  # greedy: the sampling-only flags at their neutral values (GREEDY_NEUTRAL)
+                new.update(GREEDY_NEUTRAL)
         if top_p is not None and (self.use_vllm or temperature > 0):  # HF greedy takes none (it warns)
             new["top_p"] = top_p
         old = {k: getattr(gen, k) for k in new}

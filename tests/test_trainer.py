@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -131,6 +132,10 @@ def test_online_hints_are_greedy_and_rollouts_keep_their_sampling(tiny_model_dir
     def spy(prompts, kind="reroll"):  # the sampling settings in force at each generate call
         gc = trainer.generation_config
         seen.append((kind, len(prompts), gc.do_sample, gc.temperature, gc.max_new_tokens))
+        if kind == "hint":  # no flag that greedy decoding ignores, after generate fills the unset ones from the
+            merged = copy.deepcopy(gc)  # model's own (it warned of TRL's top_k=0, or the model's, at each run)
+            merged.update(**trainer.model.generation_config.to_dict(), defaults_only=True)
+            merged.validate(strict=True)
         return original(prompts, kind)
 
     trainer._roll = spy
@@ -142,7 +147,7 @@ def test_online_hints_are_greedy_and_rollouts_keep_their_sampling(tiny_model_dir
     assert first[2] is False and first[4] == spec.hint_max_tokens  # greedy hints, at hint length
     assert all(c[2] is True and c[3] == spec.temperature and c[4] == spec.max_completion_length for c in rerolls)
     gc = trainer.generation_config  # restored after the hint passes
-    assert gc.do_sample is True and gc.temperature == spec.temperature
+    assert gc.do_sample is True and gc.temperature == spec.temperature and gc.top_k == trainer.args.top_k
     assert gc.max_new_tokens == spec.max_completion_length
 
 
