@@ -147,11 +147,8 @@ def teacher_hints_file(base: RunSpec, experiment: str) -> Path:
                  if k in ("data", "data_split", "num_prompts", "difficulty", "seed", "model")}
     h = hashlib.sha256(repr(sorted(data_spec.items())).encode()).hexdigest()[:12]
     path = experiment_dir(experiment) / f"teacher-hints-{h}.jsonl"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        write_reference_hints(rows, tmp)
-        tmp.replace(path)
+    if not path.is_file():  # written whole (write_hints): another flow run sees it or not, never half of it
+        write_reference_hints(rows, path)
     return path
 
 

@@ -28,6 +28,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from .atomic import atomic_path, write_text_atomic
 from .data import DataError
 from .hints import TeacherError
 from .lora import LoraTargetsNotFound
@@ -413,16 +414,11 @@ def write_eval_output(table, path: str) -> None:
     """The table written to `path` (.parquet or .json) through a file beside it, renamed over it once whole: a
     write that fails (a full disk) leaves the file that was there as it was."""
     out = Path(path).expanduser()  # ~ as check_eval_output takes it (a .json went to a folder named ~ in the cwd)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # made as any file is (umask), not mkstemp's 600
-    try:
-        if out.suffix.lower() == ".parquet":
+    if out.suffix.lower() == ".parquet":
+        with atomic_path(out) as tmp:
             table.to_parquet(tmp, index=False)
-        else:
-            Path(tmp).write_text(json.dumps(_jsonable(table), indent=2))
-        os.replace(tmp, out)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    else:
+        write_text_atomic(out, json.dumps(_jsonable(table), indent=2))
 
 
 HELDOUT_FIELDS = ("data", "data_split", "num_prompts", "seed", "difficulty")  # what a run's held-out set is cut by

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
+from .atomic import atomic_path
 from .data import DataError, MissingDataFile, _is_blank, read_records
 from .prompts import LEVELS, chat, hint_request
 
@@ -1174,8 +1175,7 @@ def write_hints(path: Path, hints: Sequence[tuple], shas: dict[str, str] | None 
     written for. A row given as (prompt id, level, hint, problem_sha) carries its own problem_sha (None: none), and
     one given as (prompt id, level, hint, problem_sha, teacher) also the teacher that wrote it (teacher_label)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w") as f:
+    with atomic_path(path) as tmp, tmp.open("w") as f:
         for pid, level, text, *own in hints:
             rec = {"prompt_id": pid, "level": level, "hint": text}
             sha = own[0] if own else (shas or {}).get(pid)
@@ -1184,7 +1184,6 @@ def write_hints(path: Path, hints: Sequence[tuple], shas: dict[str, str] | None 
             if len(own) > 1 and own[1] is not None:
                 rec["teacher"] = own[1]
             f.write(json.dumps(rec) + "\n")
-    tmp.replace(path)
 
 
 def write_reference_hints(rows: Sequence[dict], path: str | Path) -> Path:

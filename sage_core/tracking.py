@@ -41,6 +41,8 @@ from urllib.parse import quote
 
 from transformers import TrainerCallback
 
+from .atomic import write_text_atomic
+
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
     from mlflow.entities import Run
@@ -354,9 +356,7 @@ def read_run_id(output_dir: str | Path) -> str | None:
 def write_run_id(output_dir: str | Path, run_id: str) -> None:
     p = Path(output_dir)
     p.mkdir(parents=True, exist_ok=True)
-    tmp = p / (RUN_ID_FILE + ".tmp")
-    tmp.write_text(run_id + "\n")
-    tmp.replace(p / RUN_ID_FILE)
+    write_text_atomic(p / RUN_ID_FILE, run_id + "\n")
 
 
 def run_experiment_name(run_id: str) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import pandas as pd
 from transformers import TrainerCallback, TrainerState
 
+from .atomic import write_text_atomic
 from .lora import ADAPTER_DIR, check_targets, merge_adapter, peft_config, record_base
 from .spec import RunSpec, check_run_folder, layout_error, run_folder_lock, spec_changes
 
@@ -214,9 +215,7 @@ class TrainTime(TrainerCallback):
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             return  # not written by this version, or cut short: nothing to add the wall time to
-        tmp = path.with_name(f".{TRAIN_SECONDS_FILE}.{os.getpid()}")
-        tmp.write_text(json.dumps({**record, "wall_seconds": wall}))
-        tmp.replace(path)
+        write_text_atomic(path, json.dumps({**record, "wall_seconds": wall}))
 
     @staticmethod
     def wall_at(ckpt: Path | None) -> float:
@@ -593,9 +592,7 @@ def check_training_rows(output_dir: str | Path, dataset, data: str, resuming: bo
     before = dict(map(tuple, old or []))
     changed = rows_changed(old, rows) if old is not None and any(before.get(p) != d for p, d in rows) else ""
     if main:
-        tmp = path.with_name(f".{TRAINING_ROWS}.{os.getpid()}")
-        tmp.write_text(json.dumps({"data": data, "rows": rows}))
-        tmp.replace(path)
+        write_text_atomic(path, json.dumps({"data": data, "rows": rows}))
     return changed
 
 
@@ -617,9 +614,7 @@ def _train(spec: RunSpec, output_dir: str | Path, callbacks, resume: bool) -> Tr
     output_dir.mkdir(parents=True, exist_ok=True)
     # every process writes the same spec, each through a file of its own renamed over it: a reader (another
     # process's folder check) never sees a half-written one
-    tmp = output_dir / f".spec.json.{os.getpid()}"
-    tmp.write_text(spec.model_dump_json(indent=2))
-    tmp.replace(output_dir / "spec.json")
+    write_text_atomic(output_dir / "spec.json", spec.model_dump_json(indent=2))
     set_seed(spec.seed)
     t0 = time.perf_counter()
     ckpt = last_checkpoint(output_dir) if resume else None

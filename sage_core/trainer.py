@@ -33,6 +33,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler, is_async_callable
 
 from . import gate, shared_prefix
+from .atomic import write_text_atomic
 from .curation import Weighted
 from .data import PromptTooLong
 from .generation_cache import generation_cache
@@ -923,11 +924,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         if self.accelerator.is_main_process:
             ckpt = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             for name, obj in files.items():  # each one whole or not there: a kill mid-write leaves no half file
-                path = os.path.join(ckpt, name)
-                tmp = os.path.join(ckpt, f".{name}.{os.getpid()}.tmp")
-                with open(tmp, "w") as f:
-                    json.dump(obj, f)
-                os.replace(tmp, path)
+                write_text_atomic(os.path.join(ckpt, name), json.dumps(obj))
 
     def restore_state(self, up_to_step: int, checkpoint: str | os.PathLike | None = None) -> int:
         """Take this process's place in the fresh-prompt pool and its scheduler generator from `checkpoint`, and the
