@@ -33,6 +33,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -680,6 +681,52 @@ class TrackingError(RuntimeError):
     metrics), the message says where they are and how they are sent."""
 
 
+def _store_locked(error: BaseException | None) -> bool:
+    """True where `error` is, or was caused by, a sqlite store's lock (SQLITE_BUSY, SQLITE_LOCKED: 'database is
+    locked', another process or rank writing the same mlflow.db), as MLflow's MlflowException or SQLAlchemy's
+    OperationalError wrap it."""
+    import sqlite3
+
+    for _ in range(8):  # the chain is MlflowException <- SQLAlchemy's OperationalError <- sqlite3's
+        if error is None:
+            break
+        if isinstance(error, sqlite3.OperationalError):
+            code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+; the message before
+            return (code & 0xFF) in (5, 6) if code is not None else "locked" in str(error)
+        error = getattr(error, "orig", None) or error.__cause__ or error.__context__
+    return False
+
+
+def _error_line(error: BaseException) -> str:
+    """`Type: first line of the message` (MLflow's errors from a database carry the SQL on the lines after)."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+
+
+class _StoreLockedFilter(logging.Filter):
+    """Drops MLflow's ERROR record with the whole traceback (mlflow.store.db.utils, make_managed_session, logs one for
+    each write a locked sqlite store refuses) where the thread that installed it logged it: that caller keeps what was
+    refused and warns once. Any other error, and other threads' records, go through."""
+
+    def __init__(self):
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread or not (record.exc_info and _store_locked(record.exc_info[1]))
+
+
+@contextlib.contextmanager
+def _quiet_store_locked() -> Iterator[None]:
+    """Around writes whose refusal the caller keeps and warns about (MlflowTrackingCallback): no MLflow traceback for
+    a locked sqlite store."""
+    mlflow_log, quiet = logging.getLogger("mlflow.store.db.utils"), _StoreLockedFilter()
+    mlflow_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        mlflow_log.removeFilter(quiet)
+
+
 class MlflowTrackingCallback(TrainerCallback):
     """Trainer callback: metrics per step, tracker Parquet files, final checkpoint, all into one MLflow run.
 
@@ -801,14 +848,16 @@ class MlflowTrackingCallback(TrainerCallback):
         if logs and (metrics := numeric_metrics(logs)):
             self.pending.append((metrics, int(step or 0), int(time.time() * 1000)))
         try:
-            self.flush()
-            self._keep_pending()
-            self.upload_tracker_files()
+            with _quiet_store_locked():
+                self.flush()
+                self._keep_pending()
+                self.upload_tracker_files()
         except (MlflowException, OSError) as e:
             self._keep_pending()
-            log.warning("MLflow run %s: logging failed at step %s (%s: %s); %d metric batches and the tracker files "
-                        "not uploaded yet are sent again at the next step", self.run_id, step, type(e).__name__,
-                        str(e)[:200], len(self.pending))
+            kept = f" (kept in {self._pending_path()})" if self.pending and self.output_dir is not None else ""
+            log.warning("MLflow run %s: the store %s refused the logs of step %s (%s); %d metric batches%s and the "
+                        "tracker files not uploaded yet are sent again at the next step", self.run_id, shown_uri(),
+                        step, _error_line(e), len(self.pending), kept)
 
     # -- TrainerCallback
     def on_train_begin(self, args, state, control, **kwargs):
@@ -855,12 +904,13 @@ class MlflowTrackingCallback(TrainerCallback):
             self.output_dir = Path(final).parent
         self._setup()
         try:
-            self._log_final_model(final, global_step)
+            with _quiet_store_locked():
+                self._log_final_model(final, global_step)
         except (MlflowException, OSError) as e:  # the metrics it refused were lost with the process, for good (a
             self._keep_pending()  # finished run trains no step again): kept for the next attempt
             raise TrackingError(
-                f"MLflow run {self.run_id}: the store {shown_uri()} refused the run's last logs ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:200]}); the model is trained and saved in {final}"
+                f"MLflow run {self.run_id}: the store {shown_uri()} refused the run's last logs "
+                f"({_error_line(e)}); the model is trained and saved in {final}"
                 + (f", and the {len(self.pending)} metric batches not logged are kept in {self._pending_path()}"
                    if self.pending else "") + ": run the same training again (it trains nothing more) to send "
                 "them") from e

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -480,6 +483,97 @@ def test_metrics_the_store_refused_at_the_end_are_kept_for_the_next_attempt(stor
     tracking.MlflowTrackingCallback(run_id=rid, output_dir=tdir.parent, log_checkpoint=False).on_train_begin(
         args, _state(3), ctl)
     assert history() == [(1, 1.0), (1, 9.0), (2, 2.0), (3, 3.0)]
+
+
+@contextlib.contextmanager
+def _store_held(home: Path):
+    """The sqlite store in `home` held by a second connection (`BEGIN EXCLUSIVE`: another flow or rank writing it)
+    until the block ends. MLflow waits 20 s for a locked store in each session (PRAGMA busy_timeout); cut to 0.2 s."""
+    import sqlite3
+
+    from sqlalchemy import event
+
+    def short_wait(conn, cursor, statement, parameters, context, executemany):
+        return re.sub(r"busy_timeout = \d+", "busy_timeout = 200", statement), parameters
+
+    engine = tracking.client()._tracking_client.store.engine
+    event.listen(engine, "before_cursor_execute", short_wait, retval=True)
+    db = sqlite3.connect(home / "mlflow.db", isolation_level=None)
+    try:
+        db.execute("BEGIN EXCLUSIVE")
+        yield
+    finally:
+        db.close()  # ends its transaction: the lock goes
+        event.remove(engine, "before_cursor_execute", short_wait)
+
+
+def test_a_locked_store_is_one_warning_per_refused_step_not_mlflows_traceback(store, tmp_path, capfd, caplog):
+    """A sqlite store locked by another writer (several flows or ranks on one mlflow.db) made MLflow log, for each
+    write it refused, an ERROR with the whole chained traceback and the SQL (mlflow.store.db.utils,
+    make_managed_session), flooding the training log though nothing was lost. Each refused step is one warning naming
+    the store and where its metrics are kept, training's end the TrackingError alone; they reach the run once the
+    lock goes."""
+    tdir, rid, args, ctl, cb = _started_callback(tmp_path, RunSpec(max_steps=3), "t-locked")
+    kept = tdir.parent / tracking.PENDING_FILE
+    cb.on_log(args, _state(1), ctl, logs={"reward": 1.0})
+    capfd.readouterr()
+    with caplog.at_level("WARNING"), _store_held(store):
+        for step in (2, 3):
+            pd.DataFrame({"step": [step], "prompt_id": ["p"]}).to_parquet(tdir / f"step_{step:06d}.parquet")
+            cb.on_log(args, _state(step), ctl, logs={"reward": float(step)})
+        assert [m for m, _, _ in json.loads(kept.read_text())["pending"]] == [{"reward": 2.0}, {"reward": 3.0}]
+        with pytest.raises(tracking.TrackingError, match=r"refused the run's last logs \(MlflowException: "
+                           r"\(sqlite3.OperationalError\) database is locked\); the model is trained"):
+            cb.log_final_model(tdir.parent / "final", 3)  # training ended with the store still held
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "SQL" not in err and "mlflow.store.db" not in err, err
+    warned = [r.getMessage() for r in caplog.records]
+    assert [r.name for r in caplog.records] == ["sage_core.tracking"] * 2, warned
+    for step, (message, n) in zip((2, 3), zip(warned, (1, 2))):
+        assert message == (f"MLflow run {rid}: the store {tracking.shown_uri()} refused the logs of step {step} "
+                           "(MlflowException: (sqlite3.OperationalError) database is locked); "
+                           f"{n} metric batches (kept in {kept}) and the tracker files not uploaded yet are sent "
+                           "again at the next step")
+    # the lock gone, the run entered again (it trains nothing more) sends what was refused
+    tracking.MlflowTrackingCallback(run_id=rid, output_dir=tdir.parent, log_checkpoint=False).log_final_model(
+        tdir.parent / "final", 3)
+    history = sorted((m.step, m.value) for m in tracking.client().get_metric_history(rid, "reward"))
+    assert history == [(1, 1.0), (2, 2.0), (3, 3.0)] and not kept.exists()
+    assert len(tracking.client().list_artifacts(rid, "tracker")) == 2
+
+
+def test_only_our_threads_lock_errors_are_quieted(store):
+    """The quieting drops MLflow's record of a locked store logged by the thread that installed it, nothing else:
+    another error, and another thread's lock error, are MLflow's to print as before."""
+    import sqlite3
+    import threading
+
+    import sqlalchemy
+
+    mlflow_log = logging.getLogger("mlflow.store.db.utils")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(f"{record.exc_info[1].orig}")
+
+    def log_error(message):
+        try:
+            raise sqlalchemy.exc.OperationalError("SELECT 1", {}, sqlite3.OperationalError(message))
+        except sqlalchemy.exc.OperationalError as e:
+            mlflow_log.exception("SQLAlchemy database error. The following exception is caught.\n%s", e)
+
+    mlflow_log.addHandler(handler)
+    try:
+        with tracking._quiet_store_locked():
+            log_error("database is locked")
+            log_error("no such table: runs")
+            other = threading.Thread(target=log_error, args=("database table is locked",))
+            other.start()
+            other.join()
+        log_error("database is locked: after the block")
+    finally:
+        mlflow_log.removeHandler(handler)
+    assert seen == ["no such table: runs", "database table is locked", "database is locked: after the block"]
+    assert not mlflow_log.filters
 
 
 def test_callback_logs_the_prompts_left_out_for_length(store, tmp_path):
