@@ -15,6 +15,7 @@ import json
 from typing import Any, Literal
 
 import numpy as np
+import pandas as pd
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from pydantic import ValidationError
@@ -142,8 +143,9 @@ def _complete_evals(spec: RunSpec, run_id: str, label: str, benchmarks: dict[str
     names (this call's, for its result row)."""
     previous = tracking.load_eval(run_id)
     benches = resolve_benchmarks(spec, benchmarks)
+    kept = _unhashed_after_kept(run_id)
     wanted = {when: todo for when, on in (("before", evaluate_before), ("after", evaluate_after))
-              if on and (todo := missing_evals(previous, when, benches, spec))}
+              if on and (todo := missing_evals(previous, when, benches, spec, unhashed_final=when == "after" and kept))}
     if not wanted:
         return list(benches)
     from flows.eval_flow import resolve_model
@@ -155,8 +157,7 @@ def _complete_evals(spec: RunSpec, run_id: str, label: str, benchmarks: dict[str
         if when == "before":
             rows = run_eval(spec.model, todo, spec, label=f"{label}-before", cache=True, gguf_file=spec.gguf_file)
         elif not tracking.has_artifact(run_id, "checkpoint"):
-            get_run_logger().warning("%s: MLflow run %s uploaded no checkpoint/ to evaluate after training; "
-                                     "force=true trains it again", label, run_id)
+            _no_checkpoint_to_score(previous, todo, spec, label, run_id)
             continue
         else:
             rows = run_eval(resolve_model(f"runs:/{run_id}")[0], todo, spec, label=f"{label}-after", cache=False)
@@ -164,12 +165,40 @@ def _complete_evals(spec: RunSpec, run_id: str, label: str, benchmarks: dict[str
     return list(benches)
 
 
-def missing_evals(previous, when: str, benches: dict[str, Any], spec: RunSpec) -> dict[str, Any]:
+# a finished run's 'after' rows logged before eval tables had a benchmark_hash, kept as they are: the run uploaded
+# no checkpoint/ to score them again (said once, when the tag is set; honoured while it still has none)
+UNHASHED_AFTER_KEPT_TAG = "sage.unhashed_after_kept"
+
+
+def _unhashed_after_kept(run_id: str) -> bool:
+    tags = tracking.client().get_run(run_id).data.tags
+    return tags.get(UNHASHED_AFTER_KEPT_TAG) == "true" and not tracking.has_artifact(run_id, "checkpoint")
+
+
+def _no_checkpoint_to_score(previous, todo: dict[str, Any], spec: RunSpec, label: str, run_id: str) -> None:
+    """Warns that a finished run without a checkpoint/ cannot be evaluated after training on `todo`. Its 'after'
+    rows there without a benchmark_hash are kept as final, said once: the run is tagged so later calls take them
+    as scored (they warned again on each call, as they could never be scored again)."""
+    logger = get_run_logger()
+    unhashed = sorted(set(todo) - set(missing_evals(previous, "after", todo, spec, unhashed_final=True)))
+    if unhashed:
+        logger.warning("%s: MLflow run %s's 'after' rows of %s were logged before eval tables recorded the benchmark's "
+                       "rows (benchmark_hash), and the run uploaded no checkpoint/ to score them again: kept as "
+                       "they are, unchecked against the files now; not said again for this run (force=true trains it "
+                       "again)", label, run_id, unhashed)
+        tracking.client().set_tag(run_id, UNHASHED_AFTER_KEPT_TAG, "true")
+    if rest := sorted(set(todo) - set(unhashed)):
+        logger.warning("%s: MLflow run %s uploaded no checkpoint/ to evaluate after training on %s; force=true trains "
+                       "it again", label, run_id, rest)
+
+
+def missing_evals(previous, when: str, benches: dict[str, Any], spec: RunSpec,
+                  unhashed_final: bool = False) -> dict[str, Any]:
     """The benchmarks of `benches` the run's eval table has no `when` row of taken as `spec` evaluates: at its
     eval_k, eval_temperature and eval_top_p (where the table records them: rows logged before it did count as
     taken so), on the rows the benchmark has now (its `benchmark_hash`, common.eval_table: a file of the same name
     and number of rows, written again or another file, was taken as scored; a row logged before the table recorded
-    it counts as another file's, scored again)."""
+    it counts as another file's, scored again, unless `unhashed_final`: a run that cannot score it again)."""
     if previous is None or len(previous) == 0:
         return benches
     rows = previous[(previous["when"] == when) & (previous["k"] == spec.eval_k)]
@@ -178,7 +207,8 @@ def missing_evals(previous, when: str, benches: dict[str, Any], spec: RunSpec) -
             rows = rows[rows[col].isna() | np.isclose(rows[col].astype(float), value)]
     hashes = rows["benchmark_hash"] if "benchmark_hash" in rows.columns else [None] * len(rows)
     have = {str(b): h for b, h in zip(rows["benchmark"], hashes, strict=True)}
-    return {b: r for b, r in benches.items() if have.get(b) != benchmark_hash(r)}
+    return {b: r for b, r in benches.items()
+            if not (b in have and (have[b] == benchmark_hash(r) or (unhashed_final and pd.isna(have[b]))))}
 
 
 def _report(row: dict[str, Any], label: str) -> None:

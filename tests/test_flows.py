@@ -637,6 +637,30 @@ def test_a_benchmark_file_changed_under_its_name_is_scored_again(stubbed_train, 
     assert tf.missing_evals(ev, "before", rows, spec) == {}
 
 
+def test_unhashed_after_rows_of_a_run_without_a_checkpoint_are_kept_saying_so_once(stubbed_train, caplog):
+    """A finished run whose eval rows were logged before the table had a benchmark_hash, and which uploaded no
+    checkpoint/ (its model cannot be scored again): its 'before' is scored again, its old 'after' rows are kept,
+    and the warning that says so names the run on the first flow call only (it came again on every call)."""
+    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    rid, _ = tracking.resume_or_create_run(spec, "train", common.run_dir("t-pair", "grpo", spec), experiment="t-pair")
+    old = pd.DataFrame([{"benchmark": "held", "k": 2, "avg_at_k": 0.9, "pass_at_k": 0.95, "n_prompts": 4}])
+    for when in ("before", "after"):
+        tracking.log_eval(old, when, rid)  # as an older version logged them: no benchmark_hash
+    tracking.finish_run(rid)
+    assert not tracking.has_artifact(rid, "checkpoint")
+    for call in range(2):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="test-flow"):
+            row = stubbed_train["train"](spec, None)
+        assert row["run_id"] == rid and row["skipped"]
+        said = [r.getMessage() for r in caplog.records if "checkpoint/" in r.getMessage()]
+        assert (len(said), rid in "".join(said)) == ((1, True) if call == 0 else (0, False)), said
+    assert stubbed_train["evals"] == [("before", ["held"], 2)]  # the old 'before' once; no 'after' to score
+    ev = tracking.load_eval(rid).set_index("when")
+    assert ev.loc["after", "avg_at_k"] == 0.9 and pd.isna(ev.loc["after", "benchmark_hash"])  # the old row, kept
+    assert ev.loc["before", "avg_at_k"] == _ACC["held"] and not pd.isna(ev.loc["before", "benchmark_hash"])
+
+
 def test_two_flow_runs_of_one_spec_at_once_train_it_once(stubbed_train, caplog):
     """serve --limit 2 (or two workers on one SAGE_HOME) runs two flow runs of one spec at once: the second waits for
     the first's run folder, then finds the spec finished (they trained into one folder and MLflow run together)."""
