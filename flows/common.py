@@ -100,6 +100,16 @@ def end_status(error: BaseException) -> str:
     return "KILLED" if isinstance(error, ExternalSignal) else tracking.end_status(error)
 
 
+def end_run(run_id: str, error: BaseException, logger) -> None:
+    """End MLflow run `run_id` by `error` (end_status), in the `except` that raises `error` next: a store still
+    locked after tracking's retries (TrackingError) is a warning, and the flow run fails with `error` (an eval table
+    the same lock refused says where its rows are kept), not with that."""
+    try:
+        tracking.finish_run(run_id, end_status(error))
+    except tracking.TrackingError as why:
+        logger.warning("%s", why)
+
+
 @contextlib.contextmanager
 def run_folder_lock(out: Path, label: str, logger):
     """Hold an exclusive lock on run folder `out` (`.<name>.lock` beside it) while this flow run trains there: a
@@ -252,13 +262,17 @@ def _train_accelerate(spec: RunSpec, out: Path, run_id: str) -> dict[str, Any]:
     res = launcher.launch(spec, out, log=logger.info, env=env, check=True, mlflow_run_id=run_id)
     wall = time.perf_counter() - t0
     result = res.result or {}
-    c = tracking.client()
-    if "reward" not in c.get_run(run_id).data.metrics and result.get("log_history"):
-        tracking.log_history(result["log_history"], run_id)
-    tracking.MlflowTrackingCallback(run_id=run_id, output_dir=out).upload_tracker_files()
     ckpt = Path(result.get("checkpoint_dir") or out / "final")
-    if ckpt.is_dir() and not tracking.has_artifact(run_id, "checkpoint"):
-        tracking.log_checkpoint(ckpt, run_id)
+
+    def log() -> None:
+        if "reward" not in tracking.client().get_run(run_id).data.metrics and result.get("log_history"):
+            tracking.log_history(result["log_history"], run_id)
+        tracking.MlflowTrackingCallback(run_id=run_id, output_dir=out).upload_tracker_files()
+        if ckpt.is_dir() and not tracking.has_artifact(run_id, "checkpoint"):
+            tracking.log_checkpoint(ckpt, run_id)
+
+    tracking.retry_locked(log, run_id, "the training's history, tracker files and model", lambda: f"they are in {out}, "
+                          "and the same training run again (it trains nothing more) logs them")
     summary = dict(result.get("summary") or {})
     return {"checkpoint_dir": str(ckpt), "global_step": int(result.get("global_step") or 0),
             "wall_seconds": float(result.get("wall_seconds") or wall), "summary": summary}

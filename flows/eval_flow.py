@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from pydantic import Field
 
-from flows.common import eval_table, resolve_benchmarks, run_eval, slug
+from flows.common import end_run, eval_table, resolve_benchmarks, run_eval, slug
 from flows.params import PresetName, resolve_spec
 from sage_core import tracking
 from sage_core.spec import HINTING_METHODS, RunSpec, recorded_beside, spec_from_fields
@@ -137,11 +137,15 @@ def sage_eval(model: str = "tiny", benchmarks: dict[str, str] | None = None, pre
         run_id = log_to_run
         tracking.log_eval(df, when, run_id)
     else:
-        with tracking.start_run(spec, "eval", experiment, run_name=f"eval-{Path(model).name or model}",
-                                tags={"sage.eval_of": source_run, "sage.method": made["method"],
-                                      "sage.hint_source": made["hint_source"]}) as run:
-            run_id = run.info.run_id
+        run_id = tracking.open_run(spec, "eval", experiment, run_name=f"eval-{Path(model).name or model}",
+                                   tags={"sage.eval_of": source_run, "sage.method": made["method"],
+                                         "sage.hint_source": made["hint_source"]})
+        try:
             tracking.log_eval(df, when, run_id)
+        except BaseException as e:  # its end, tried again on a locked store, is not what the flow run fails with
+            end_run(run_id, e, logger)
+            raise
+        tracking.finish_run(run_id)
     logger.info("eval logged to MLflow run %s", tracking.run_url(run_id))
     table = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
     create_table_artifact(table, key="sage-eval-results", description=f"no-hint eval of {model}")

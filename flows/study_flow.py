@@ -45,7 +45,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from pydantic import Field, ValidationError
 
-from flows.common import end_status, experiment_dir, experiment_folder, resolve_benchmarks, row_from_run, slug
+from flows.common import end_run, experiment_dir, experiment_folder, resolve_benchmarks, row_from_run, slug
 from flows.params import PresetName, SpecPatch, resolve_spec, with_spec_overrides
 from flows.train_flow import Launcher, sage_train
 from sage_core import tracking
@@ -451,11 +451,16 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None
         table = comparison_table(rows)
         summary = seed_summary(table)
         covered = sorted({int(x) for x in table["seed"].dropna()})
-        tracking.client().set_tag(parent_id, "sage.seeds", ",".join(map(str, covered)))
-        tracking.client().set_tag(parent_id, "sage.methods", ",".join(table["variant"].drop_duplicates()))
-        tracking.log_table(table, "study/comparison", run_id=parent_id)
-        tracking.log_table(summary, "study/summary", run_id=parent_id)
-        _log_parent_metrics(table, summary, parent_id)
+
+        def log() -> None:
+            tracking.client().set_tag(parent_id, "sage.seeds", ",".join(map(str, covered)))
+            tracking.client().set_tag(parent_id, "sage.methods", ",".join(table["variant"].drop_duplicates()))
+            tracking.log_table(table, "study/comparison", run_id=parent_id)
+            tracking.log_table(summary, "study/summary", run_id=parent_id)
+            _log_parent_metrics(table, summary, parent_id)
+
+        tracking.retry_locked(log, parent_id, "the study's comparison", lambda: "its variants' runs have it, and the "
+                              "same study run again (it trains no finished variant again) logs it")
         card = report_card(table, f"hint-study {preset or 'custom'}")
         child_ids = [r for r in table["run_id"].dropna().tolist() if r]
         compare = tracking.compare_url(child_ids, exp_id) if child_ids else tracking.run_url(parent_id, exp_id)
@@ -469,7 +474,7 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None
         logger.info("comparison:\n%s", card)
         logger.info("MLflow comparison: %s", compare)
     except BaseException as e:
-        tracking.finish_run(parent_id, end_status(e))
+        end_run(parent_id, e, logger)
         raise
     tracking.finish_run(parent_id, "FAILED" if failed else "FINISHED")
     if failed:

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from flows.common import (
     benchmark_hash,
     code_version,
-    end_status,
+    end_run,
     eval_table,
     folder_for,
     resolve_benchmarks,
@@ -126,7 +126,7 @@ def _run_training_locked(spec, out, *, experiment, label, benchmarks, evaluate_b
             after = run_eval(res["checkpoint_dir"], benches, spec, label=f"{label}-after", cache=False)
             tracking.log_eval(eval_table(after, spec, benches), "after", run_id)
     except BaseException as e:
-        tracking.finish_run(run_id, end_status(e))
+        end_run(run_id, e, logger)
         raise
     tracking.finish_run(run_id)
     row = row_from_run(run_id, list(benches))

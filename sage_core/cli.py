@@ -295,7 +295,6 @@ def _train_in(spec, out: Path, args: argparse.Namespace) -> int:
     if _is_main_process():
         print(f"sage train: method={spec.method} model={spec.model} steps={spec.max_steps} -> {out}", flush=True)
     callbacks, run_id = _open_tracking(spec, out, args)
-    from .tracking import TrackingError
     from .train import LayoutError, shutdown_distributed, strict_json, train
 
     with _sigterm_raises("train"):
@@ -316,10 +315,7 @@ def _train_in(spec, out: Path, args: argparse.Namespace) -> int:
                       "was saved before stays: make room, then run the same command again (it resumes from the last "
                       "whole checkpoint)", file=sys.stderr, flush=True)
                 return 1
-            if isinstance(e, TrackingError):  # trained and saved; the store refused the last logs: kept, no traceback
-                print(f"sage train: {e}", file=sys.stderr, flush=True)
-                return 1
-            raise
+            raise  # a TrackingError (trained and saved; the store refused the last logs, kept): said by main
         if run_id is not None:
             from .tracking import finish_run
 
@@ -929,6 +925,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: what was saved stays (a run resumes from its last checkpoint), no traceback
         print(f"sage {args.command}: stopped (Ctrl-C)", file=sys.stderr, flush=True)
         return 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+    except Exception as e:
+        tracking = sys.modules.get(f"{__package__}.tracking")  # raised only once imported: not imported for this
+        if tracking is None or not isinstance(e, tracking.TrackingError):
+            raise
+        # the MLflow store refused a run's results (locked past the retries): the message says where they are kept
+        print(f"sage {args.command}: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 def _stdout_gone() -> bool:

@@ -35,14 +35,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
 from transformers import TrainerCallback
 
-from .atomic import write_text_atomic
+from .atomic import atomic_path, write_text_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -56,6 +56,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXPERIMENT = "sage"
 RUN_ID_FILE = "mlflow_run_id"
 PENDING_FILE = "mlflow_pending.json"  # in an output dir: metric batches MLflow refused, sent by the next attempt
+# a write of a run's results a locked sqlite store refuses is tried again for this many seconds in all (5, 10, 20, 40 s
+# apart, beyond MLflow's own 20 s wait in each try): $SAGE_MLFLOW_LOCK_RETRY_SECONDS, 0 for one try (retry_locked)
+LOCK_RETRY_ENV, LOCK_RETRY_SECONDS = "SAGE_MLFLOW_LOCK_RETRY_SECONDS", 75.0
+UNLOGGED_DIR = "unlogged"  # <SAGE_HOME>/unlogged/<run id>/: results a store locked past the retries did not take
 COMPLETE_TAG = "sage.complete"
 LAST_STEP_TAG = "sage.last_step"  # the step the run's model was trained to (set when training ends)
 RESUMED_PREFIX = "sage.resumed."  # + field: the value of a field changed when the run was reopened
@@ -70,6 +74,7 @@ EVAL_COLUMNS = ["benchmark", "when", "k", "avg_at_k", "pass_at_k", "n_prompts"]
 # checkpoint files that are training state, not the model: never uploaded under checkpoint/
 _CHECKPOINT_SKIP = re.compile(r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state.*\.pth|training_args\.bin)$")
 _METRIC_BAD_CHARS = re.compile(r"[^0-9A-Za-z_\-\.\ :/]")
+T = TypeVar("T")
 
 
 # ----------------------------------------------------------------------------------------------- locations
@@ -296,12 +301,18 @@ def end_status(error: BaseException) -> str:
 
 
 def finish_run(run_id: str, status: str = "FINISHED", complete: bool | None = None) -> None:
-    """Terminate a run; `complete` (default: status == FINISHED) marks it done so it is skipped on re-runs."""
-    c = client()
+    """Terminate a run; `complete` (default: status == FINISHED) marks it done so it is skipped on re-runs. Tried
+    again while a locked store refuses it (retry_locked)."""
     if complete is None:
         complete = status == "FINISHED"
-    c.set_tag(run_id, COMPLETE_TAG, "true" if complete else "false")
-    c.set_terminated(run_id, status=status)
+
+    def end() -> None:
+        c = client()
+        c.set_tag(run_id, COMPLETE_TAG, "true" if complete else "false")
+        c.set_terminated(run_id, status=status)
+
+    retry_locked(end, run_id, f"its end ({status})",
+                 lambda: "the run is left as it was: the same command run again reopens and ends it")
 
 
 @contextlib.contextmanager
@@ -499,8 +510,17 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, run_id: str
 
 def log_summary(summary: Mapping[str, Any], run_id: str | None = None, step: int | None = None,
                 prefix: str = "summary/") -> None:
-    """Final numbers of a run (TrainResult.summary, wall-clock) as metrics `summary/<key>`."""
-    log_metrics({f"{prefix}{k}": v for k, v in summary.items()}, step=step, run_id=run_id)
+    """Final numbers of a run (TrainResult.summary, wall-clock) as metrics `summary/<key>`; a store locked past the
+    retries (retry_locked) leaves them in `<SAGE_HOME>/unlogged/<run id>/`."""
+    rid = active_run_id(run_id)
+    metrics = numeric_metrics({f"{prefix}{k}": v for k, v in summary.items()})
+
+    def keep() -> str:
+        with atomic_path(path := unlogged_path(rid, "summary.json")) as tmp:
+            tmp.write_text(json.dumps({"metrics": metrics, "step": step}))
+        return f"it is kept in {path}, and the same training run again (it trains nothing more) logs it"
+
+    retry_locked(lambda: log_metrics(metrics, step=step, run_id=rid), rid, "its summary", keep)
 
 
 def _download(run_id: str, artifact_path: str, dst: str) -> Path | None:
@@ -556,7 +576,9 @@ def check_benchmark_names(names) -> None:
 def log_eval(df: pd.DataFrame, when: str, run_id: str | None = None) -> pd.DataFrame:
     """Merge `df` (benchmark, k, avg_at_k, pass_at_k, n_prompts) as `when` (before|after) into the run's
     `eval/eval.parquet` (re-logging the same (benchmark, when, k) replaces it) and log metrics
-    `eval/<when>/<benchmark>/avg_at_<k>` and `.../pass_at_<k>` (step 0). Returns the merged table."""
+    `eval/<when>/<benchmark>/avg_at_<k>` and `.../pass_at_<k>` (step 0). Returns the merged table. A store locked
+    past the retries (retry_locked) leaves the rows in `<SAGE_HOME>/unlogged/<run id>/`, the error says how to log
+    them."""
     import pandas as pd
 
     if when not in ("before", "after"):
@@ -568,21 +590,32 @@ def log_eval(df: pd.DataFrame, when: str, run_id: str | None = None) -> pd.DataF
     if missing:
         raise ValueError(f"eval table lacks columns {missing}")
     new = new[EVAL_COLUMNS + [c for c in new.columns if c not in EVAL_COLUMNS]]
-    old = _eval_table_to_merge(rid)
-    merged = new if old is None else pd.concat([old, new], ignore_index=True)
-    merged = merged.drop_duplicates(subset=["benchmark", "when", "k"], keep="last").reset_index(drop=True)
-    check_benchmark_names(merged["benchmark"].unique())  # also against an earlier call's names: before logging
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "eval.parquet"
-        merged.to_parquet(path, index=False)
-        client().log_artifact(rid, str(path), "eval")
-    metrics: dict[str, float] = {}
-    for row in new.itertuples(index=False):
-        name = eval_metric_name(row.benchmark)
-        metrics[f"eval/{when}/{name}/avg_at_{int(row.k)}"] = row.avg_at_k
-        metrics[f"eval/{when}/{name}/pass_at_{int(row.k)}"] = row.pass_at_k
-    log_metrics(metrics, step=0, run_id=rid)
-    return merged
+
+    def log() -> pd.DataFrame:
+        old = _eval_table_to_merge(rid)
+        merged = new if old is None else pd.concat([old, new], ignore_index=True)
+        merged = merged.drop_duplicates(subset=["benchmark", "when", "k"], keep="last").reset_index(drop=True)
+        check_benchmark_names(merged["benchmark"].unique())  # also against an earlier call's names: before logging
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "eval.parquet"
+            merged.to_parquet(path, index=False)
+            client().log_artifact(rid, str(path), "eval")
+        metrics: dict[str, float] = {}
+        for row in new.itertuples(index=False):
+            name = eval_metric_name(row.benchmark)
+            metrics[f"eval/{when}/{name}/avg_at_{int(row.k)}"] = row.avg_at_k
+            metrics[f"eval/{when}/{name}/pass_at_{int(row.k)}"] = row.pass_at_k
+        log_metrics(metrics, step=0, run_id=rid)
+        return merged
+
+    def keep() -> str:  # the evaluation's rows (minutes of work) on disk, and how they are logged again
+        with atomic_path(path := unlogged_path(rid, f"eval-{when}.parquet")) as tmp:
+            new.to_parquet(tmp, index=False)
+        return (f"its {len(new)} rows are kept in {path}; log them once the store is free: python -c \"import "
+                f"pandas; from sage_core import tracking; tracking.log_eval(pandas.read_parquet('{path}'), '{when}', "
+                f"'{rid}')\"")
+
+    return retry_locked(log, rid, f"its '{when}' eval table", keep)
 
 
 def log_checkpoint(path: str | Path, run_id: str | None = None, artifact_path: str = "checkpoint") -> int:
@@ -591,18 +624,17 @@ def log_checkpoint(path: str | Path, run_id: str | None = None, artifact_path: s
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory {root} does not exist")
-    c = client()
-    n = 0
-    for f in sorted(root.rglob("*")):
-        if not f.is_file():
-            continue
-        rel = f.relative_to(root)
-        if _CHECKPOINT_SKIP.match(f.name) or any(part.startswith("global_step") for part in rel.parts[:-1]):
-            continue
-        sub = "/".join([artifact_path, *rel.parts[:-1]])
-        c.log_artifact(rid, str(f), sub)
-        n += 1
-    return n
+    files = [f for f in sorted(root.rglob("*")) if f.is_file() and not _CHECKPOINT_SKIP.match(f.name)
+             and not any(part.startswith("global_step") for part in f.relative_to(root).parts[:-1])]
+
+    def upload() -> None:
+        c = client()
+        for f in files:
+            c.log_artifact(rid, str(f), "/".join([artifact_path, *f.relative_to(root).parts[:-1]]))
+
+    retry_locked(upload, rid, f"its model ({root})", lambda: f"upload it once the store is free: python -c \"from "
+                 f"sage_core import tracking; tracking.log_checkpoint('{root}', '{rid}', '{artifact_path}')\"")
+    return len(files)
 
 
 def has_artifact(run_id: str, path: str) -> bool:
@@ -677,8 +709,9 @@ def compare_url(run_ids: Sequence[str], experiment_id: str) -> str:
 
 # ----------------------------------------------------------------------------------------------- callback
 class TrackingError(RuntimeError):
-    """The MLflow store refused a run's last logs once its model was saved: nothing is lost (PENDING_FILE keeps the
-    metrics), the message says where they are and how they are sent."""
+    """The MLflow store refused a run's results (its last logs once its model was saved, or, locked past
+    retry_locked's tries, its summary, an eval table, its end): nothing is lost (PENDING_FILE keeps the metrics, an
+    eval table is written under <SAGE_HOME>/unlogged/), the message says where they are and how they are sent."""
 
 
 def _store_locked(error: BaseException | None) -> bool:
@@ -725,6 +758,67 @@ def _quiet_store_locked() -> Iterator[None]:
         yield
     finally:
         mlflow_log.removeFilter(quiet)
+
+
+_retrying = threading.local()  # .on: this thread is inside retry_locked
+
+
+def _lock_waits() -> list[float]:
+    """The waits between retry_locked's tries: LOCK_RETRY_SECONDS (or $SAGE_MLFLOW_LOCK_RETRY_SECONDS) in 4,
+    each twice the one before."""
+    raw = os.environ.get(LOCK_RETRY_ENV) or str(LOCK_RETRY_SECONDS)
+    try:
+        total = float(raw)
+    except ValueError:
+        total = math.nan
+    if not (math.isfinite(total) and total >= 0):  # said, not raised: the write it came with has results to log
+        log.warning("%s=%r is not a number of seconds (>= 0): %g taken", LOCK_RETRY_ENV, raw, LOCK_RETRY_SECONDS)
+        total = LOCK_RETRY_SECONDS
+    return [total * 2**i / 15 for i in range(4)] if total else []
+
+
+def unlogged_path(run_id: str, name: str) -> Path:
+    """A new file `<SAGE_HOME>/unlogged/<run id>/<time>-<name>` for results a locked store refused (retry_locked)."""
+    folder = sage_home() / UNLOGGED_DIR / _path_safe(run_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+
+
+def retry_locked(write: Callable[[], T], run_id: str, what: str, keep: Callable[[], str] | None = None) -> T:
+    """`write()`, a write of run `run_id`'s results made once (its summary, an eval table, its end), tried again
+    while a locked sqlite store refuses it (_store_locked: another flow or rank writing mlflow.db; MLflow waits its
+    20 s busy timeout, then gives up): 4 more tries, 5, 10, 20 and 40 s apart (_lock_waits), each said in one
+    warning, MLflow's traceback of the lock left out. Any other error is raised at once, as it was. A lock that
+    outlasts the tries raises TrackingError naming the store, with what `keep()` says: where it kept `what` on disk
+    and how it is logged again; without `keep`, the lock's error (the caller keeps what was refused). A write made
+    inside another's retries is tried once: the outer one tries the whole again."""
+    if getattr(_retrying, "on", False):
+        return write()
+    waits, start = _lock_waits(), time.monotonic()
+    _retrying.on = True
+    try:
+        for tried, wait in enumerate([*waits, None], 1):
+            try:
+                with _quiet_store_locked():
+                    return write()
+            except Exception as e:
+                if not _store_locked(e):
+                    raise
+                if wait is None:
+                    if keep is None:
+                        raise
+                    try:
+                        kept = keep()
+                    except OSError as why:
+                        kept = f"it could not be kept on disk either ({why})"
+                    raise TrackingError(f"MLflow run {run_id}: the store {shown_uri()} stayed locked through {tried} "
+                                        f"tries in {time.monotonic() - start:.0f} s ({_error_line(e)}): {what} is "
+                                        f"not logged; {kept}") from e
+                log.warning("MLflow run %s: the store %s is locked (%s): %s is tried again in %.3g s", run_id,
+                            shown_uri(), _error_line(e), what, wait)
+                time.sleep(wait)
+    finally:
+        _retrying.on = False
 
 
 class MlflowTrackingCallback(TrainerCallback):
@@ -799,8 +893,13 @@ class MlflowTrackingCallback(TrainerCallback):
         if not path.is_file():
             return 0
         n = len(json.loads(path.read_text()).get("dropped", []))
-        client().log_artifact(self.run_id, str(path))
-        client().set_tag(self.run_id, "sage.prompts_dropped", str(n))
+
+        def log() -> None:
+            client().log_artifact(self.run_id, str(path))
+            client().set_tag(self.run_id, "sage.prompts_dropped", str(n))
+
+        retry_locked(log, self.run_id, f"the {n} prompts left out for length",
+                     lambda: f"{path} has them, and the same training run again logs them")
         return n
 
     def _pending_path(self) -> Path | None:
@@ -904,8 +1003,7 @@ class MlflowTrackingCallback(TrainerCallback):
             self.output_dir = Path(final).parent
         self._setup()
         try:
-            with _quiet_store_locked():
-                self._log_final_model(final, global_step)
+            retry_locked(lambda: self._log_final_model(final, global_step), self.run_id, "the run's last logs")
         except (MlflowException, OSError) as e:  # the metrics it refused were lost with the process, for good (a
             self._keep_pending()  # finished run trains no step again): kept for the next attempt
             raise TrackingError(
@@ -922,7 +1020,9 @@ class MlflowTrackingCallback(TrainerCallback):
         if self.log_checkpoint and Path(final).is_dir():
             trained_now = self.step is not None  # a Trainer hook ran: not a finished run entered again
             if trained_now or client().get_run(self.run_id).data.tags.get("sage.checkpoint_step") != str(global_step):
-                log_checkpoint(final, self.run_id)
+                if self.checkpoint_logged != Path(final):  # not by a try a locked store refused after it
+                    log_checkpoint(final, self.run_id)
+                    self.checkpoint_logged = Path(final)
                 client().set_tag(self.run_id, "sage.checkpoint_step", str(global_step))
             self.checkpoint_logged = Path(final)
         # what MLflow refused while training, and the tracker files it lacks (all of them, where nothing trained
@@ -939,12 +1039,19 @@ class MlflowTrackingCallback(TrainerCallback):
         caller's to end. Only the process that opened it (the main one) ends it. Either way the run's last step
         (`sage.last_step`) is the one this attempt reached: steps past it in the run are an earlier attempt's, of a
         trajectory this one, resumed from an earlier checkpoint, left (not this run's model, nor trained again)."""
-        try:
-            if self.step is not None and self.run_id is not None:  # the main process, once training began
-                client().set_tag(self.run_id, LAST_STEP_TAG, str(self.step))
-        finally:  # a store that refuses the tag still has the run ended
-            if self.owns_run and self.run_id is not None:
-                finish_run(self.run_id, status=end_status(error))
+        if self.run_id is None:
+            return
+
+        def end() -> None:
+            try:
+                if self.step is not None:  # the main process, once training began
+                    client().set_tag(self.run_id, LAST_STEP_TAG, str(self.step))
+            finally:  # a store that refuses the tag still has the run ended
+                if self.owns_run:
+                    finish_run(self.run_id, status=end_status(error))
+
+        retry_locked(end, self.run_id, f"its end (step {self.step})",
+                     lambda: "the run is left as it was: the same training run again reopens and ends it")
 
 
 def make_callback(spec: RunSpec | None = None, experiment: str | None = None, run_id: str | None = None,

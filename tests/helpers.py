@@ -8,6 +8,8 @@
 - Servers started by tests: `free_port()` (a free loopback port), `http_status(url)` (0 when nothing answers),
   `wait_ready(what, ok, proc, log, timeout)` (fails the test with the log's tail if the process exits or stays
   unready), `stop_group(proc)` (SIGTERM, then SIGKILL, to the process group of a process started in a new session).
+- `store_held(home, release_after)`: the sqlite MLflow store of SAGE_HOME `home` locked by a second connection (another
+  flow or rank writing it), with MLflow's 20 s wait for a lock cut to 0.2 s.
 """
 
 from __future__ import annotations
@@ -150,3 +152,36 @@ def stop_group(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@contextlib.contextmanager
+def store_held(home: Path, release_after: float | None = None):
+    """The sqlite store `<home>/mlflow.db` held by a second connection (`BEGIN EXCLUSIVE`: another flow or rank
+    writing it) until the block ends, or for `release_after` seconds of it. MLflow waits 20 s for a locked store in
+    each session (PRAGMA busy_timeout); cut to 0.2 s while the block runs."""
+    import re
+    import sqlite3
+    import threading
+
+    from sqlalchemy import event
+
+    from sage_core import tracking
+
+    def short_wait(conn, cursor, statement, parameters, context, executemany):
+        return re.sub(r"busy_timeout = \d+", "busy_timeout = 200", statement), parameters
+
+    engine = tracking.client()._tracking_client.store.engine
+    event.listen(engine, "before_cursor_execute", short_wait, retval=True)
+    db = sqlite3.connect(home / "mlflow.db", isolation_level=None, check_same_thread=False)
+    release = threading.Timer(release_after or 0, db.close)  # closing it ends its transaction: the lock goes
+    try:
+        db.execute("BEGIN EXCLUSIVE")
+        if release_after is not None:
+            release.start()
+        yield
+    finally:
+        release.cancel()
+        if release.is_alive():
+            release.join()
+        db.close()
+        event.remove(engine, "before_cursor_execute", short_wait)

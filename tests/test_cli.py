@@ -593,6 +593,55 @@ def test_train_no_resume_with_mlflow_opens_a_new_run(capsys, tmp_path, monkeypat
     assert json.loads((out / "train_result.json").read_text())["mlflow_run_id"] not in ids
 
 
+@pytest.mark.parametrize("release_after", [0.5, None])
+def test_train_whose_store_is_locked_as_it_ends_waits_or_keeps_the_summary(capfd, tmp_path, monkeypatch,
+                                                                           release_after):
+    """`sage train --mlflow` logs the summary and ends its run once trained: a sqlite store another writer held
+    then failed the command with MLflow's traceback, the summary lost. Both are tried again a few times: a lock gone
+    meanwhile takes them; one that outlasts the tries is one line saying where the summary is kept, exit 1, and the
+    same command again (it trains nothing more) logs it and finishes the run."""
+    import contextlib
+
+    from helpers import store_held
+
+    from sage_core import tracking
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("SAGE_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv(tracking.LOCK_RETRY_ENV, "1.5")
+    calls = _fake_train(monkeypatch)
+    out = tmp_path / "run"
+    argv = ["train", "--set", "max_steps=2", "--output-dir", str(out), "--mlflow"]
+    with contextlib.ExitStack() as held:
+        real = sys.modules["sage_core.train"].train
+        sys.modules["sage_core.train"].train = lambda *a, **k: (real(*a, **k), held.enter_context(
+            store_held(home, release_after)))[0]  # trained: the store is taken as the command logs the end
+        rc, _, err = run_cli(capfd, *argv)  # MLflow's traceback is printed by its logger: the fd's
+    sys.modules["sage_core.train"].train = real
+    assert calls and "Traceback" not in err and "SQL" not in err, err
+    rid = (out / "mlflow_run_id").read_text().strip()
+    run = tracking.client().get_run(rid)
+    unlogged = home / tracking.UNLOGGED_DIR / rid
+    if release_after is not None:
+        assert rc == 0 and run.info.status == "FINISHED" and run.data.metrics["summary/reward"] == 0.5, err
+        assert not unlogged.exists()
+        return
+    assert rc == 1 and run.info.status == "RUNNING" and "summary/reward" not in run.data.metrics
+    [kept] = unlogged.iterdir()
+    locked = rf"MLflow run {rid}: the store {re.escape(tracking.shown_uri())} stayed locked through 5 tries in \d+ s "
+    assert re.search(rf"^sage: MLflow run {rid} could not be ended \(TrackingError: {locked}\(MlflowException: "
+                     r"\(sqlite3.OperationalError\) database is locked\): its end \(FAILED\) is not logged; the "
+                     r"run is left as it was: the same command run again reopens and ends it\)\n"
+                     rf"sage train: {locked}.*: its summary is not logged; it is kept in {re.escape(str(kept))}, "
+                     r"and the same training run again \(it trains nothing more\) logs it\n\Z", err, re.M), err
+    assert json.loads(kept.read_text())["metrics"] == {"summary/reward": 0.5}
+    rc, _, err = run_cli(capfd, *argv)
+    run = tracking.client().get_run(rid)
+    assert rc == 0 and run.info.status == "FINISHED" and run.data.metrics["summary/reward"] == 0.5, err
+
+
 def test_train_into_a_folder_another_process_trains_in_exits_2_and_touches_nothing(capsys, tmp_path, monkeypatch):
     """Two `sage train` into one output dir at once both trained the same steps into its checkpoints and tracker
     files, each in an MLflow run of its own (mlflow_run_id named one of them). The second is refused, naming the

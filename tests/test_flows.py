@@ -8,6 +8,7 @@ import contextlib
 import inspect
 import math
 import os
+import re
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -718,6 +719,41 @@ def test_a_flow_run_cancelled_in_prefect_leaves_its_mlflow_run_killed(stubbed_tr
     assert tracking.client().get_run(run.info.run_id).info.status == "FAILED"
     stubbed_train["crash"] = False
     assert stubbed_train["train"](spec, None)["run_id"] == run.info.run_id
+
+
+def test_an_after_eval_a_locked_store_refused_is_kept_and_the_flow_run_fails_saying_where(stubbed_train,
+                                                                                          monkeypatch, caplog):
+    """The 'after' evaluation (minutes of work, not cached) logged into a sqlite store another writer held past the
+    retries: the flow run fails with the error saying where its rows are kept and how they are logged (the run's
+    end, refused by the same lock, a warning: not the error it fails with), and that command logs them."""
+    from helpers import store_held
+
+    import flows.train_flow as tf
+
+    monkeypatch.setenv(tracking.LOCK_RETRY_ENV, "0.3")
+    spec = RunSpec(method="grpo", max_steps=1, eval_k=2)
+    evaluate = tf.run_eval
+    with contextlib.ExitStack() as held:
+        def then_held(model_ref, benches, spec, label, cache, gguf_file=None):
+            rows = evaluate(model_ref, benches, spec, label, cache, gguf_file)
+            if label.endswith("-after"):  # evaluated: another writer takes the store as the rows are logged
+                held.enter_context(store_held(Path(os.environ["SAGE_HOME"])))
+            return rows
+
+        monkeypatch.setattr(tf, "run_eval", then_held)
+        with caplog.at_level("WARNING", logger="test-flow"), pytest.raises(
+                tracking.TrackingError, match=r"stayed locked through 5 tries .*: its 'after' eval table is not "
+                r"logged; its 1 rows are kept in (\S+); log them once the store is free: python -c \"(.+)\"$") as e:
+            stubbed_train["train"](spec, None)
+    run = tracking.find_runs("t-pair", kind="train")[0]
+    rid = run.info.run_id
+    [warned] = [r.getMessage() for r in caplog.records if r.name == "test-flow"]
+    assert re.search(rf"^MLflow run {rid}: .* its end \(FAILED\) is not logged; the run is left as it was", warned)
+    assert run.info.status == "RUNNING" and tracking.load_eval(rid)["when"].tolist() == ["before"]
+    kept, command = re.search(r"kept in (\S+); .* -c \"(.+)\"$", str(e.value)).groups()
+    assert pd.read_parquet(kept)[["benchmark", "when"]].values.tolist() == [["held", "after"]]
+    exec(command, {})
+    assert sorted(tracking.load_eval(rid)["when"]) == ["after", "before"]
 
 
 def test_a_run_resumed_with_other_eval_settings_is_scored_before_at_them_too(stubbed_train):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -12,6 +11,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+from helpers import store_held
 from transformers import TrainerControl, TrainerState
 
 from sage_core import tracking
@@ -485,39 +485,19 @@ def test_metrics_the_store_refused_at_the_end_are_kept_for_the_next_attempt(stor
     assert history() == [(1, 1.0), (1, 9.0), (2, 2.0), (3, 3.0)]
 
 
-@contextlib.contextmanager
-def _store_held(home: Path):
-    """The sqlite store in `home` held by a second connection (`BEGIN EXCLUSIVE`: another flow or rank writing it)
-    until the block ends. MLflow waits 20 s for a locked store in each session (PRAGMA busy_timeout); cut to 0.2 s."""
-    import sqlite3
-
-    from sqlalchemy import event
-
-    def short_wait(conn, cursor, statement, parameters, context, executemany):
-        return re.sub(r"busy_timeout = \d+", "busy_timeout = 200", statement), parameters
-
-    engine = tracking.client()._tracking_client.store.engine
-    event.listen(engine, "before_cursor_execute", short_wait, retval=True)
-    db = sqlite3.connect(home / "mlflow.db", isolation_level=None)
-    try:
-        db.execute("BEGIN EXCLUSIVE")
-        yield
-    finally:
-        db.close()  # ends its transaction: the lock goes
-        event.remove(engine, "before_cursor_execute", short_wait)
-
-
-def test_a_locked_store_is_one_warning_per_refused_step_not_mlflows_traceback(store, tmp_path, capfd, caplog):
+def test_a_locked_store_is_one_warning_per_refused_step_not_mlflows_traceback(store, tmp_path, capfd, caplog,
+                                                                              monkeypatch):
     """A sqlite store locked by another writer (several flows or ranks on one mlflow.db) made MLflow log, for each
     write it refused, an ERROR with the whole chained traceback and the SQL (mlflow.store.db.utils,
     make_managed_session), flooding the training log though nothing was lost. Each refused step is one warning naming
     the store and where its metrics are kept, training's end the TrackingError alone; they reach the run once the
     lock goes."""
+    monkeypatch.setenv(tracking.LOCK_RETRY_ENV, "0")  # one try at the end (its retries: the test below)
     tdir, rid, args, ctl, cb = _started_callback(tmp_path, RunSpec(max_steps=3), "t-locked")
     kept = tdir.parent / tracking.PENDING_FILE
     cb.on_log(args, _state(1), ctl, logs={"reward": 1.0})
     capfd.readouterr()
-    with caplog.at_level("WARNING"), _store_held(store):
+    with caplog.at_level("WARNING"), store_held(store):
         for step in (2, 3):
             pd.DataFrame({"step": [step], "prompt_id": ["p"]}).to_parquet(tdir / f"step_{step:06d}.parquet")
             cb.on_log(args, _state(step), ctl, logs={"reward": float(step)})
@@ -540,6 +520,96 @@ def test_a_locked_store_is_one_warning_per_refused_step_not_mlflows_traceback(st
     history = sorted((m.step, m.value) for m in tracking.client().get_metric_history(rid, "reward"))
     assert history == [(1, 1.0), (2, 2.0), (3, 3.0)] and not kept.exists()
     assert len(tracking.client().list_artifacts(rid, "tracker")) == 2
+
+
+def _eval_rows(avg: float = 0.5) -> pd.DataFrame:
+    return pd.DataFrame({"benchmark": ["synthetic"], "k": [4], "avg_at_k": [avg], "pass_at_k": [0.75],
+                         "n_prompts": [8]})
+
+
+def test_results_logged_once_wait_for_a_lock_released_during_their_retries(store, tmp_path, capfd, caplog,
+                                                                           monkeypatch):
+    """The writes made once, at the end or outside the callback's steps (a run's summary, its eval table, the prompts
+    left out, the last logs, its end), met a sqlite store another writer held with MLflow's traceback and were lost:
+    MLflow waits its 20 s busy timeout, then gives up, never trying again. Each is tried again, 5 to 40 s apart
+    ($SAGE_MLFLOW_LOCK_RETRY_SECONDS in all, here 3 s), one warning a try: a lock gone meanwhile takes it."""
+    monkeypatch.setenv(tracking.LOCK_RETRY_ENV, "3")
+    tdir, rid, args, ctl, cb = _started_callback(tmp_path, RunSpec(max_steps=1), "t-lock-waited")
+    (tdir.parent / tracking.DROPPED_PROMPTS).write_text(json.dumps({"dropped": [{"prompt_id": "a", "tokens": 9}]}))
+    with store_held(store):  # a step's metrics, refused: kept for the last logs (the callback's own way)
+        cb.on_log(args, _state(1), ctl, logs={"reward": 1.0})
+    capfd.readouterr()
+    writes = [lambda: cb.log_dropped_prompts(), lambda: tracking.log_summary({"reward": 0.5}, rid, step=1),
+              lambda: tracking.log_eval(_eval_rows(), "after", rid),
+              lambda: cb.log_final_model(tdir.parent / "final", 1), lambda: tracking.finish_run(rid)]
+    with caplog.at_level("WARNING"):
+        for write in writes:
+            caplog.clear()
+            with store_held(store, release_after=0.5):
+                write()
+            assert caplog.messages and all(re.fullmatch(
+                rf"MLflow run {rid}: the store {re.escape(tracking.shown_uri())} is locked \(MlflowException: "
+                r"\(sqlite3.OperationalError\) database is locked\): .+ is tried again in \d.*s", m)
+                for m in caplog.messages), caplog.messages
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "SQL" not in err, err
+    run = tracking.client().get_run(rid)
+    assert run.info.status == "FINISHED" and run.data.tags[tracking.COMPLETE_TAG] == "true"
+    assert run.data.metrics["summary/reward"] == 0.5 and run.data.tags["sage.prompts_dropped"] == "1"
+    assert [m.step for m in tracking.client().get_metric_history(rid, "reward")] == [1]
+    assert tracking.load_eval(rid)["avg_at_k"].tolist() == [0.5]
+    assert not (tdir.parent / tracking.PENDING_FILE).exists() and not (store / tracking.UNLOGGED_DIR).exists()
+
+
+def test_results_a_lock_outlasting_the_retries_refused_are_kept_saying_where(store, tmp_path, capfd, monkeypatch):
+    """Still locked after the retries: an error naming the store, what was not logged and where it is kept (an eval
+    table's rows, minutes of evaluation, under <SAGE_HOME>/unlogged/<run id>/, with the command that logs them; a
+    summary there too), not MLflow's traceback; the command it gives logs the rows once the lock is gone."""
+    monkeypatch.setenv(tracking.LOCK_RETRY_ENV, "0.3")
+    rid = tracking.open_run(RunSpec(), "train", experiment="t-lock-outlasted")
+    capfd.readouterr()
+    refused = r"MLflow run {}: the store {} stayed locked through 5 tries in \d+ s \(MlflowException: " \
+              r"\(sqlite3.OperationalError\) database is locked\): {} is not logged; "
+    with store_held(store):
+        with pytest.raises(tracking.TrackingError, match=refused.format(rid, re.escape(tracking.shown_uri()),
+                           "its 'after' eval table") + r"its 1 rows are kept in (\S+); log them once the store is "
+                           r"free: python -c \"(.+)\"$") as eval_error:
+            tracking.log_eval(_eval_rows(0.625), "after", rid)
+        with pytest.raises(tracking.TrackingError, match=refused.format(rid, ".*", "its summary") + r"it is kept "
+                           r"in (\S+), and the same training run again \(it trains nothing more\) logs it$") as e:
+            tracking.log_summary({"reward": 0.5, "note": "text"}, rid, step=3)
+        with pytest.raises(tracking.TrackingError, match=refused.format(rid, ".*", r"its end \(FINISHED\)")
+                           + "the run is left as it was: the same command run again reopens and ends it$"):
+            tracking.finish_run(rid)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "SQL" not in err, err
+    summary = Path(re.search(r"kept in (\S+),", str(e.value)).group(1))
+    assert summary.parent == store / tracking.UNLOGGED_DIR / rid
+    assert json.loads(summary.read_text()) == {"metrics": {"summary/reward": 0.5}, "step": 3}
+    run = tracking.client().get_run(rid)
+    assert run.info.status == "RUNNING" and "summary/reward" not in run.data.metrics
+    assert tracking.load_eval(rid) is None
+    kept, command = re.search(r"kept in (\S+); .* -c \"(.+)\"$", str(eval_error.value)).groups()
+    assert pd.read_parquet(kept)[["benchmark", "when", "avg_at_k"]].values.tolist() == [["synthetic", "after", 0.625]]
+    exec(command, {})  # the command the error gives, once the lock is gone
+    assert tracking.load_eval(rid)["avg_at_k"].tolist() == [0.625]
+    assert tracking.client().get_run(rid).data.metrics["eval/after/synthetic/avg_at_4"] == 0.625
+
+
+def test_only_lock_errors_are_tried_again(store, monkeypatch):
+    """Any other error of a write is raised at once, as before: one try, no wait, no warning."""
+    from mlflow.exceptions import MlflowException
+
+    monkeypatch.setenv(tracking.LOCK_RETRY_ENV, "600")
+    tries = []
+
+    def write():
+        tries.append(1)
+        raise MlflowException("RESOURCE_DOES_NOT_EXIST: run 'x' not found")
+
+    with pytest.raises(MlflowException, match="RESOURCE_DOES_NOT_EXIST"):
+        tracking.retry_locked(write, "x", "its summary", lambda: "kept")
+    assert tries == [1]
 
 
 def test_only_our_threads_lock_errors_are_quieted(store):
