@@ -53,7 +53,7 @@ def build_config(spec: RunSpec, output_dir: str | Path):
     import torch
 
     from .data import eval_set_name
-    from .trainer import SageConfig
+    from .trainer import CHECKPOINTING_ARG, SageConfig
 
     world = world_size()
     if (why := layout_error(spec, world)) is not None:
@@ -93,7 +93,7 @@ def build_config(spec: RunSpec, output_dir: str | Path):
         report_to="none",
         use_cpu=not cuda,
         bf16=bf16,
-        gradient_checkpointing=spec.gradient_checkpointing,
+        **{CHECKPOINTING_ARG: spec.gradient_checkpointing},
         use_vllm=spec.use_vllm,
         vllm_mode=spec.vllm_mode,
         vllm_gpu_memory_utilization=spec.vllm_gpu_memory_utilization,

@@ -20,13 +20,15 @@ import json
 import logging
 import os
 import time
+import warnings
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from accelerate.utils import gather, gather_object
 from torch import nn
+from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
@@ -53,6 +55,14 @@ log = logging.getLogger(__name__)
 # while HF generate decodes greedily (hints), put back after (TRL's top_k=0, and a model's own top_k when unset, made
 # generate warn at every run that greedy decoding ignores it)
 GREEDY_NEUTRAL = {"top_k": 50, "top_p": 1.0, "min_p": None}
+# transformers 5.24 renamed gradient checkpointing to activation checkpointing, the old names warn (FutureWarning);
+# 5.17, the newest vLLM 0.31 allows, has only the old ones. The config's field for it is the new name where there is
+# one. TRL 1.16 reads the model's old `is_gradient_checkpointing` before every generate call: that warning (shown at
+# every step, as something between two steps resets Python's once-per-place registry) is TRL's, and the trainer
+# leaves it out (set when a trainer is made: a filter set at import is lost when the import runs in a
+# catch_warnings block).
+CHECKPOINTING_ARG = next(n for n in ("activation_checkpointing", "gradient_checkpointing")
+                         if n in {f.name for f in fields(TrainingArguments)})
 
 POOL_FILE = "sage_prompt_pool.json"  # in a checkpoint: each process's place in its fresh-prompt pool
 POOL_SEED_OFFSET = 0x5EED  # the fresh-prompt pool's permutation is seeded apart from the sampler's (_draw_prompt)
@@ -150,6 +160,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
     def __init__(self, *args, scheduler: Scheduler | None = None, hint_source: HintSource | None = None,
                  eval_rows: list[dict] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         a = self.args
         # normalize_then_sum divides each group by its std whatever scale_rewards says (then the batch by a constant)
         scaling = "group" if a.multi_objective_aggregation == "normalize_then_sum" else a.scale_rewards
