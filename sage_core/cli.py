@@ -28,7 +28,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .atomic import atomic_path, write_text_atomic
+from .atomic import atomic_path, move_new, write_text_atomic
 from .data import DataError
 from .hints import TeacherError
 from .lora import LoraTargetsNotFound
@@ -406,15 +406,26 @@ def refuse_existing(label: str, path: Path, force: bool) -> None:
         raise SpecError(f"{label}: exists; give another path, or --force to write it again")
 
 
-def write_eval_output(table, path: str) -> None:
+def write_eval_output(table, path: str, replace: bool = True) -> Path:
     """The table written to `path` (.parquet or .json) through a file beside it, renamed over it once whole: a
-    write that fails (a full disk) leaves the file that was there as it was."""
-    out = Path(path).expanduser()  # ~ as check_eval_output takes it (a .json went to a folder named ~ in the cwd)
-    if out.suffix.lower() == ".parquet":
-        with atomic_path(out) as tmp:
-            table.to_parquet(tmp, index=False)
-    else:
-        write_text_atomic(out, json.dumps(_jsonable(table), indent=2))
+    write that fails (a full disk) leaves the file that was there as it was. `replace` False (no --force): never
+    over a file there by then, one another process made while the evaluation ran; the table goes to the first of
+    FILE.new.EXT, FILE.new-2.EXT, ... (`path` FILE.EXT) that is free, each made exclusively too. Returns the path
+    written."""
+    out = dest = Path(path).expanduser()  # ~ as check_eval_output takes it (a .json went to a folder named ~)
+    text = None if out.suffix.lower() == ".parquet" else json.dumps(_jsonable(table), indent=2)
+    n = 0
+    while True:
+        try:
+            if text is None:
+                with atomic_path(dest, replace) as tmp:
+                    table.to_parquet(tmp, index=False)
+            else:
+                write_text_atomic(dest, text, replace)
+            return dest
+        except FileExistsError:  # made there meanwhile (replace False only): the next free name beside it
+            n += 1
+            dest, replace = out.with_name(f"{out.stem}.new{f'-{n}' if n > 1 else ''}{out.suffix}"), False
 
 
 HELDOUT_FIELDS = ("data", "data_split", "num_prompts", "seed", "difficulty")  # what a run's held-out set is cut by
@@ -494,11 +505,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
           flush=True)
     if args.output:
         try:
-            write_eval_output(table, args.output)
+            written = write_eval_output(table, args.output, replace=args.force)
         except OSError as e:
             print(f"sage eval: --output {args.output}: not written ({e.strerror or e}); the table is above"
                   + (", the file there is as it was" if Path(args.output).expanduser().exists() else ""),
                   file=sys.stderr)
+            return 1
+        if written != Path(args.output).expanduser():  # exit 1: a script must not read the other file as this table
+            print(f"sage eval: --output {args.output}: a file was made there while the evaluation ran, not written "
+                  f"over (--force would); the table is in {written}", file=sys.stderr)
             return 1
     return 0
 
@@ -564,7 +579,9 @@ def cmd_hints(args: argparse.Namespace) -> int:
     the others and the command exits 1; a chunk the teacher answered none of ends the asking (down or hung: each
     chunk more would wait on it). An endpoint is checked before the first request (up, serving the model, taking the
     API key). Each row names the teacher that wrote it (hints.teacher_label); a FILE.partial.jsonl another teacher
-    began is not resumed where there is anything to ask (the two teachers' hints would be mixed in one file)."""
+    began is not resumed where there is anything to ask (the two teachers' hints would be mixed in one file).
+    Without --force, a FILE.jsonl someone made while the teacher was asked is not written over: it stays, the hints
+    stay in FILE.partial.jsonl and the command exits 1."""
     spec = build_spec(args.preset, args.spec, args.set)
     teacher = args.teacher or spec.teacher
     if not teacher:
@@ -693,7 +710,16 @@ def cmd_hints(args: argparse.Namespace) -> int:
               + "; ask for lower --levels, or use another teacher", file=sys.stderr)
         return 1
     save()  # once more (also when nothing was asked), so every row of this spec carries its problem_sha
-    partial.replace(out)
+    try:
+        if args.force:
+            partial.replace(out)
+        else:
+            move_new(partial, out)
+    except FileExistsError:  # exit 1, as sage eval: a script must not train on the other file as these hints
+        print(f"sage hints: --out {out}: a file was made there while the hints were asked, not written over; the "
+              f"{len(done) + len(kept)} hints are in {partial} (the same command with --force writes them to {out})",
+              file=sys.stderr)
+        return 1
     print(f"wrote {len(done)} hints for {len(rows)} prompts to {out}"
           + (f", with the {len(kept)} hints for other problems that {partial} held ({len(done) + len(kept)} in all)"
              if kept else "") + f"; train with --set hint_source=teacher --set teacher={out}")

@@ -76,3 +76,40 @@ def test_the_file_is_made_as_any_file_is_not_private(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "t.json").stat().st_mode & 0o777 == 0o644
+
+
+def _no_links(src, dst, **kw):  # os.link on a file system without hard links (FAT)
+    raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_replace_false_puts_the_file_only_where_none_was_made_meanwhile(tmp_path, monkeypatch, hard_links):
+    """`replace=False` (sage eval --output without --force): a file another process made at the path while the
+    content was written stays as it was, FileExistsError says so and no temp file is left; where none was made the
+    file is written whole. Also on a file system without hard links (os.link refused: FAT), created exclusively."""
+    if not hard_links:
+        monkeypatch.setattr(os, "link", _no_links)
+    path = tmp_path / "eval.json"
+    with pytest.raises(FileExistsError), atomic_path(path, replace=False) as tmp:
+        tmp.write_text("this eval's table")
+        path.write_bytes(OLD)  # another process, meanwhile
+    assert path.read_bytes() == OLD and [p.name for p in tmp_path.iterdir()] == ["eval.json"]
+    write_text_atomic(tmp_path / "new.json", "this eval's table", replace=False)
+    assert (tmp_path / "new.json").read_text() == "this eval's table"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json", "new.json"]
+
+
+def test_replace_false_without_hard_links_removes_a_copy_that_fails(tmp_path, monkeypatch):
+    """No hard links, and the copy into the file made exclusively fails (the disk filled): neither the part-written
+    file nor the temp file is left, and the error comes out as it was."""
+    import shutil
+
+    def disk_full(src, dst, *a):
+        dst.write(b"PAR1 half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "link", _no_links)
+    monkeypatch.setattr(shutil, "copyfileobj", disk_full)
+    with pytest.raises(OSError) as raised:
+        write_text_atomic(tmp_path / "eval.json", "this eval's table", replace=False)
+    assert raised.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []

@@ -971,6 +971,46 @@ def test_eval_output_that_exists_is_refused_before_evaluating_unless_force(capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # nothing left beside it
 
 
+
+@pytest.mark.parametrize("name", ["eval.parquet", "eval.json"])
+def test_eval_output_made_by_another_process_while_evaluating_is_kept(capsys, tmp_path, monkeypatch, name):
+    """A file made at --output by someone else while the evaluation ran (minutes) was written over by the table at
+    the end, lost. Without --force it stays as it was: the table goes to the first free FILE.new.EXT,
+    FILE.new-2.EXT (FILE.new.EXT is there: never written over either), one line on stderr says where, and the
+    command exits 1 (a script must not read the other file as this table). --force writes over it, as before."""
+    import types
+
+    import pandas as pd
+
+    out = tmp_path / name
+    stem, ext = name.split(".")
+    (tmp_path / f"{stem}.new.{ext}").write_bytes(b"a table kept from before")
+
+    def fake_evaluate(model_ref, benchmarks, **kw):
+        out.write_bytes(b"another process's table")  # made while this one evaluates
+        return pd.DataFrame([{"benchmark": n, "k": kw["k"], "avg_at_k": 0.5, "pass_at_k": 1.0, "n_prompts": 3}
+                             for n in benchmarks])
+
+    def read(path):
+        return (pd.read_parquet(path) if ext == "parquet" else pd.DataFrame(json.loads(path.read_text())))
+
+    monkeypatch.setitem(sys.modules, "sage_core.evaluate", types.SimpleNamespace(evaluate=fake_evaluate))
+    argv = ["eval", "--model", "tiny", "--benchmark", "s=synthetic", "--k", "2", "--output", str(out)]
+    rc, stdout, err = run_cli(capsys, *argv)
+    kept = tmp_path / f"{stem}.new-2.{ext}"
+    assert rc == 1 and err == (f"sage eval: --output {out}: a file was made there while the evaluation ran, not "
+                               f"written over (--force would); the table is in {kept}\n"), err
+    assert "avg_at_k" in stdout
+    assert out.read_bytes() == b"another process's table"
+    assert (tmp_path / f"{stem}.new.{ext}").read_bytes() == b"a table kept from before"
+    table = [{"benchmark": "s", "k": 2, "avg_at_k": 0.5, "pass_at_k": 1.0, "n_prompts": 3}]
+    assert read(kept).to_dict("records") == table
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, f"{stem}.new.{ext}", kept.name])
+    out.unlink()
+    rc, _, err = run_cli(capsys, *argv, "--force")
+    assert rc == 0 and err == "", err
+    assert read(out).to_dict("records") == table
+
 def test_eval_hands_spec_settings_to_evaluate(capsys, tmp_path, monkeypatch):
     """`sage eval` loads each benchmark's rows (held-out synthetic rows, or a file cut to eval_num_prompts) and
     passes the spec's sampling settings to sage_core.evaluate.evaluate."""

@@ -902,6 +902,33 @@ def test_sage_hints_writes_a_teachers_hints_file_that_a_stopped_run_resumes(monk
     assert "exists; give another path, or --force" in capsys.readouterr().err
 
 
+
+def test_sage_hints_keeps_a_file_made_at_out_while_the_teacher_is_asked(monkeypatch, tmp_path, capsys):
+    """A file made at --out by someone else while the teacher was asked was replaced by the hints at the end, lost.
+    Without --force it stays as it was, the hints stay in FILE.partial.jsonl, one line on stderr says so and the
+    command exits 1; the same command with --force then writes them to --out without asking the teacher again."""
+    from sage_core import cli
+
+    monkeypatch.setenv("SAGE_HOME", str(tmp_path / "home"))
+    out, partial = tmp_path / "teacher.jsonl", tmp_path / "teacher.partial.jsonl"
+
+    def answer(body):
+        out.write_text("another process's hints\n")  # made while this one asks
+        return 200, "Work from left to right ."
+
+    args = ["hints", "--set", "num_prompts=2", "--set", "prompts_per_step=2", "--levels", "1", "--out", str(out)]
+    with _ChatEndpoint(answer) as teacher:
+        assert cli.main([*args, "--teacher", teacher.url]) == 1
+        assert capsys.readouterr().err == (f"sage hints: --out {out}: a file was made there while the hints were "
+                                           f"asked, not written over; the 2 hints are in {partial} (the same command "
+                                           f"with --force writes them to {out})\n")
+        assert out.read_text() == "another process's hints\n"
+        assert set(read_hints(partial)) == {("syn-0-0", 1), ("syn-0-1", 1)}
+        asked = len(teacher.bodies)
+        assert cli.main([*args, "--teacher", teacher.url, "--force"]) == 0
+        assert len(teacher.bodies) == asked  # nothing asked again
+    assert set(read_hints(out).values()) == {"Work from left to right ."} and not partial.exists()
+
 def test_sage_hints_never_writes_over_the_data_files_of_its_spec(monkeypatch, tmp_path, capsys):
     """`--out` naming the training data file (or the eval data file, or one whose partial file is one of them)
     with --force replaced the data rows by hint rows; it is refused before the teacher is asked, files unchanged."""
