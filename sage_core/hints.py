@@ -76,12 +76,13 @@ class HintContext:
 # ----------------------------------------------------------------------------------------------- leak guard
 def _clean(s: str) -> str:
     """Typesetting that does not change a LaTeX expression removed ($, \\left/\\right, thin spaces), \\dfrac and
-    \\tfrac written \\frac, \u03c0 written \\pi, \u221e written \\infty, an exponent or subscript of one digit or
-    letter unbraced (x^{2} is x^2), a root of one digit or letter braced (\\sqrt3, \\sqrt 3 and \u221a3 are
-    \\sqrt{3}; \u221a35 is \\sqrt{35}), whitespace collapsed: the form answers and hints are compared in (after
-    _normal)."""
+    \\tfrac written \\frac, \u03c0 written \\pi, \u221e and the word infinity written \\infty, an exponent or
+    subscript of one digit or letter unbraced (x^{2} is x^2), a root of one digit or letter braced (\\sqrt3, \\sqrt 3
+    and \u221a3 are \\sqrt{3}; \u221a35 is \\sqrt{35}), whitespace collapsed: the form answers and hints are compared
+    in (after _normal)."""
     s = re.sub(r"\$|\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\[,;:!]", "", s)
     s = re.sub(r"\\[dt]frac", r"\\frac", s).replace(PI, "\\pi ").replace(INFINITY, "\\infty ")
+    s = _INFINITY_WORD.sub(r"\\infty ", s)
     s = re.sub(r"([\^_])\{\s*([0-9A-Za-z])\s*\}", r"\1\2", s)  # x^{2} is x^2, a_{1} is a_1
     s = re.sub(r"\\sqrt\s*([0-9]|[A-Za-z](?![A-Za-z]))", r"\\sqrt{\1}", s)  # LaTeX: \sqrt 35 is \sqrt{3}5
     s = re.sub(r"\u221a\s*(\d+|[A-Za-z](?![A-Za-z]))", r"\\sqrt{\1}", s)  # the sign: √35 is \sqrt{35}
@@ -90,7 +91,9 @@ def _clean(s: str) -> str:
 
 PI = "\u03c0"  # as some models write \\pi
 INFINITY = "\u221e"  # as some models write \\infty
-_TEXT = r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"  # \text{cm}: words inside maths
+_INFINITY_WORD = re.compile(r"(?<![\\\w])infinity(?!\w)", re.IGNORECASE)  # as a hint says \\infty in words
+# \text{cm}: words inside maths, with one level of braces in them (\mathrm{mol^{-1}})
+_TEXT = r"\\(?:text|textrm|textbf|mbox|mathrm|mathbf|operatorname)\s*\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}"
 _UNIT = _TEXT + r"(?:\^(?:-?\d|\{-?\d+\}))?"  # a unit after a number, its exponent with it: \text{ mol}^{-1}
 
 # Characters a hint may write a number with, as the guard reads them: the dashes models write as a minus (the minus
@@ -225,8 +228,9 @@ def _cardinal(words: list[str]) -> int | None:
     return total + current
 
 
-# What a sign may stand before: a number in digits or a \\frac (and \u221e or \\infty: "\u2014\u221e" is -\\infty)
-_SIGNABLE = r"(?=\.?\d|\\[dt]?frac|\\infty(?![A-Za-z])|\u221e)"
+# What a sign may stand before: a number in digits or a \\frac (and \u221e, \\infty or the word infinity: "\u2014\u221e"
+# and "minus infinity" are -\\infty)
+_SIGNABLE = r"(?=\.?\d|\\[dt]?frac|\\infty(?![A-Za-z])|\u221e|(?i:infinity)(?!\w))"
 # A sign in words: "negative" always; "minus" where it cannot be a subtraction, i.e. not after an operand (a number in
 # digits or in words, a single letter, a LaTeX symbol as \\pi, a closing bracket, a percent sign), as the sign "-" is
 # read only where it cannot be one: "the answer is minus seven" and "x = minus 7" are -7, "ten minus seven", "12 minus
@@ -242,11 +246,14 @@ def _is_sign(text: str, m: re.Match) -> bool:
     return m[1].lower() == "negative" or _OPERAND.search(text[max(0, m.start() - 40):m.start()]) is None
 
 
-# An em dash (\u2014) that is a minus: one directly before a number at the start of the hint or after a space or "("
-# ("the answer is \u20147", "(\u20143, 5)"), and one after "=" whatever the spaces ("x = \u2014 7"). Elsewhere it is
-# punctuation, which it mostly is ("the sum\u20147 apples\u2014", "add 7 \u2014 5 is left", "pages 3\u20137"): read
-# as a minus everywhere (as _NORMAL reads the en dash), "twenty\u2014two" would be 22 and no longer 20 and 2.
-_EM_MINUS = re.compile(r"(?:^|(?<=[\s(]))\u2014" + _SIGNABLE + r"|(?<==)\s*\u2014\s*" + _SIGNABLE)
+# An em dash (\u2014) that is a minus: one directly before a number at the start of the hint or after a space, an
+# opening bracket or a comma ("the answer is \u20147", "(\u20143, 5)", "[\u20143, 5]", "(3,\u20147)"), and one after
+# "=" or a comparison sign (<, >, \u2264, \u2265, \u2260) whatever the spaces ("x = \u2014 7", "x<\u20147"): no prose
+# writes those. Elsewhere it is punctuation, which it mostly is ("the sum\u20147 apples\u2014", "add 7 \u2014 5 is
+# left", "pages 3\u20137"), after a letter too ("is\u20147" may be "is 7" set off by a dash): read as a minus
+# everywhere (as _NORMAL reads the en dash), "twenty\u2014two" would be 22 and no longer 20 and 2.
+_EM_MINUS = re.compile(r"(?:^|(?<=[\s(\[{,]))\u2014" + _SIGNABLE
+                       + r"|(?<=[=<>\u2264\u2265\u2260])\s*\u2014\s*" + _SIGNABLE)
 
 
 def _signed(hint: str) -> str | None:
@@ -288,14 +295,14 @@ def _word_values(text: str) -> set[Fraction]:
     return out
 
 
-# A number in scientific notation: 1.2e1, 1.2E+1, 5e-1, and 1.2 \times 10^{1} (also \cdot, \u00d7, \u00b7, * or x, the
-# x spaced or touching the digits, as in 6.02x10^{23} and as an answer read without spaces has it; and 10^1,
+# A number in scientific notation: 1.2e1, 1.2E+1, 5e-1, and 1.2 \times 10^{1} (also \cdot, \u00d7, \u00b7, *, x or X,
+# the x spaced or touching the digits, as in 6.02x10^{23} and as an answer read without spaces has it; and 10^1,
 # 10\u00b9): read from the hint as written, as _quantities leaves exponents out. An exponent of at most three digits
 # (1e99999 is no hint's answer, and its value would take long to compute).
 _SUPERSCRIPT = str.maketrans("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207a\u207b", "0123456789+-")
 _SCIENTIFIC = re.compile(
     r"(?<![\w.])(-?(?:\d+(?:\.\d+)?|\.\d+))(?:[eE]([+-]?\d{1,3})(?!\w|\.\d)"
-    r"|\s*(?:\\times|\\cdot|[\u00d7\u00b7*]|(?<=[\s\d])x(?=\s|10))\s*10\s*"
+    r"|\s*(?:\\times|\\cdot|[\u00d7\u00b7*]|(?<=[\s\d])[xX](?=\s|10))\s*10\s*"
     r"(?:\^\s*(?:\{\s*([+-]?\d{1,3})\s*\}|([+-]?\d{1,3})(?!\d))"
     r"|([\u207a\u207b]?[\u2070\u00b9\u00b2\u00b3\u2074-\u2079]{1,3})(?![\u2070\u00b9\u00b2\u00b3\u2074-\u2079])))")
 
@@ -322,11 +329,12 @@ def _scientific_values(text: str) -> set[Fraction]:
 
 def _answer_value(answer: str) -> Fraction | None:
     """The answer's value where the answer is one number (17, 9.0, 0.5, 1,234, 3/4, -\\frac{3}{4}, \\frac{-3}{4};
-    in scientific notation, 6.02e23, 6.02 \\times 10^{23} and 6.02x10^{23} as in a hint (_SCIENTIFIC); also with
+    in scientific notation, 6.02e23, 6.02 \\times 10^{23} and 6.02x10^{23} (or X) as in a hint (_SCIENTIFIC); also with
     LaTeX thin spaces, a percent sign, a degree sign (^\\circ, \\degree or the character \u00b0), an escaped dollar
     sign, LaTeX digit grouping (10{,}000), a unit after it as in 5\\text{ cm} (with its exponent and others after it:
-    \\text{ mol}^{-1}, \\text{ m}\\cdot\\text{s}^{-2}), inside \\text{}, or after a variable as in x = 3), else None.
-    A number of over 1000 digits (_HUGE) is None: matched as text."""
+    \\text{ mol}^{-1}, \\mathrm{mol^{-1}}, \\operatorname{mol}^{-1}, \\text{ m}\\cdot\\text{s}^{-2}), inside
+    \\text{}, or after a variable as in x = 3), else None. A number of over 1000 digits (_HUGE) is None: matched as
+    text."""
     a = re.sub(r"\s", "", _clean(answer)).replace("{,}", ",")  # MATH's 10{,}000, as the reward reads it
     a = re.sub(r"^[a-zA-Z](?:_\{?\w+\}?)?=", "", a)  # x=3, x_1=3
     a = re.sub(r"(?<=[\d}])" + _UNIT + r"(?:(?:\\cdot|/)?" + _UNIT + ")*$", "", a)  # a unit: 5\text{cm}, 3\mathrm{m}^2

@@ -172,6 +172,19 @@ def req(pid="p1", level=3, answer="9"):
     ("so it is 6.02e22 of them", "6.02x10^{23}", False),
     ("so it is 6.02 of them", "6.02\\times10^{23}\\text{ mol}^{-1}", False),
     ("so it is 23 of them", "6.02x10^{23}", False),
+    # ... a capital X for the times sign too, and a unit's exponent inside its braces (\mathrm{mol^{-1}}, also after
+    # \operatorname): by value (they were matched only as text)
+    ("so it is 6.02X10^{23} of them", "6.02\\times10^{23}", True),
+    ("so it is 6.02 X 10^23 of them", "6.02e23", True),
+    ("so it is 6.02 \\cdot 10^{23} of them", "6.02X10^{23}", True),
+    ("so it is 6.02X10^{22} of them", "6.02e23", False),
+    ("so it is 6.02e23 per mole", "6.02\\times10^{23}\\mathrm{mol^{-1}}", True),
+    ("so it is 6.02e23 per mole", "6.02\\times10^{23}\\text{ mol^{-1}}", True),
+    ("so it is 6.02e23 per mole", "6.02\\times10^{23}\\operatorname{mol}^{-1}", True),
+    ("it falls at 9.8 m/s^2", "9.8\\,\\mathrm{m\\,s^{-2}}", True),
+    ("so it is 6.02 of them", "6.02\\times10^{23}\\mathrm{mol^{-1}}", False),
+    ("so it is 6.02\\times10^{23}\\mathrm{mol^{-1}}", "6.02e23", True),
+    ("a rate of 5\\mathrm{s^{-1}}", "-1", False),
     # any other answer as a substring, in the same typesetting: \dfrac is \frac, \left( is (, thin spaces go
     ("the angle is \\frac{\\pi}{4} here", "\\dfrac{\\pi}{4}", True),
     ("the point \\left(1, 2\\right)", "(1,2)", True),
@@ -362,6 +375,18 @@ def req(pid="p1", level=3, answer="9"):
     ("so the limit is \u2014\u221e", "\\infty", True),
     ("it grows without bound\u2014\u221e is the limit", "-\\infty", False),
     ("it tends to \u221e", "-\\infty", False),
+    # ... and after an opening bracket, a comma or a comparison sign, where no prose puts a dash
+    ("so x is in [\u20143, 5]", "[-3,5]", True),
+    ("so x is in [\u20143, 5]", "-3", True),
+    ("the point (3,\u20147)", "(3,-7)", True),
+    ("so x<\u20147 here", "-7", True),
+    ("so x \u2264 \u2014 7 here", "-7", True),
+    # infinity in words is \infty, "minus infinity" and "negative infinity" -\infty (as "minus 7" is -7)
+    ("the limit is minus infinity", "-\\infty", True),
+    ("it tends to negative infinity", "-\\infty", True),
+    ("so x is in (-infinity, 3]", "(-\\infty,3]", True),
+    ("the limit is Infinity", "\\infty", True),
+    ("it tends to infinity", "-\\infty", False),
     # full-width forms as ASCII, invisible characters (zero-width, word joiner, BOM, soft hyphen) as none
     ("it is \uff11\uff12 in all", "12", True),
     ("x = \uff0d\uff17", "-7", True),
