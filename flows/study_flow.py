@@ -419,8 +419,13 @@ def hint_study(*, preset: PresetName | None = "tiny-cpu", spec: SpecPatch | None
     parent_id, resumed = tracking.resume_or_create_run(
         study_base(base), "study", out, experiment, run_name=f"hint-study-{preset or 'custom'}",
         tags={"sage.study_key": skey, "sage.methods": ",".join(methods), "sage.preset": preset})
-    tracking.client().set_tag(parent_id, "sage.methods", ",".join(methods))
-    tracking.client().set_tag(parent_id, "sage.seeds", ",".join(map(str, seed_list)))
+
+    def opening() -> None:
+        tracking.client().set_tag(parent_id, "sage.methods", ",".join(methods))
+        tracking.client().set_tag(parent_id, "sage.seeds", ",".join(map(str, seed_list)))
+
+    tracking.retry_locked(opening, parent_id, "its methods and seeds", lambda: "nothing is trained yet: run the same "
+                          "study again once the store is free")
     exp_id = tracking.client().get_run(parent_id).info.experiment_id
     logger.info("%s study run %s: %s", "resuming" if resumed else "started", parent_id,
                 tracking.run_url(parent_id, exp_id))

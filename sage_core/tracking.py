@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -57,10 +58,14 @@ DEFAULT_EXPERIMENT = "sage"
 RUN_ID_FILE = "mlflow_run_id"
 PENDING_FILE = "mlflow_pending.json"  # in an output dir: metric batches MLflow refused, sent by the next attempt
 # a write of a run's results a locked sqlite store refuses is tried again for this many seconds in all (5, 10, 20, 40 s
-# apart, beyond MLflow's own 20 s wait in each try): $SAGE_MLFLOW_LOCK_RETRY_SECONDS, 0 for one try (retry_locked)
+# apart, beyond MLflow's own 20 s wait in each try): $SAGE_MLFLOW_LOCK_RETRY_SECONDS, 0 for one try (retry_locked).
+# That wait is MLflow's `PRAGMA busy_timeout = 20000`, run at the start of each of its sessions (make_managed_session
+# in mlflow.store.db.utils): it overrides a `?timeout=` in the URI, and no MLFLOW_SQLALCHEMYSTORE_* setting reaches it
 LOCK_RETRY_ENV, LOCK_RETRY_SECONDS = "SAGE_MLFLOW_LOCK_RETRY_SECONDS", 75.0
 UNLOGGED_DIR = "unlogged"  # <SAGE_HOME>/unlogged/<run id>/: results a store locked past the retries did not take
 COMPLETE_TAG = "sage.complete"
+# a token open_run tags the run it creates with: a try after a refused create_run (committed or not) finds that run
+OPEN_TOKEN_TAG = "sage.open_token"
 LAST_STEP_TAG = "sage.last_step"  # the step the run's model was trained to (set when training ends)
 RESUMED_PREFIX = "sage.resumed."  # + field: the value of a field changed when the run was reopened
 # when the run was last reopened (ms since the epoch, as MLflow's times): its start time stays the first attempt's
@@ -200,50 +205,94 @@ def open_run(spec: RunSpec, kind: str, experiment: str = DEFAULT_EXPERIMENT, run
              tags: Mapping[str, Any] | None = None) -> str:
     """Create a run (tags, `sage.*` params, spec.json), or reopen `run_id` (status RUNNING again). Returns its id.
 
-    Nothing is made "active" in the fluent API: use the returned id (or `start_run` for the fluent form).
+    Nothing is made "active" in the fluent API: use the returned id (or `start_run` for the fluent form). A locked
+    sqlite store is waited for (retry_locked), each try taking up where the last stopped: a run a refused try created
+    is found by its OPEN_TOKEN_TAG, not made twice, and a reopened run is counted and timed once. A lock that
+    outlasts the tries is a TrackingError naming the store, raised before anything is trained.
     """
+    done: dict[str, Any] = {}  # what the tries so far did: the run read, the run created
+    token = uuid.uuid4().hex
+
+    def keep() -> str:
+        made = f" (run {done['rid']}, created, is left unfinished)" if "rid" in done else ""
+        return f"nothing is trained yet{made}: run the same command again once the store is free"
+
+    return retry_locked(lambda: _open_run(spec, kind, experiment, run_name, parent_run_id, run_id, tags, token,
+                                          done),
+                        run_id or f"(new, experiment {experiment!r})", "its reopening" if run_id else "its creation",
+                        keep)
+
+
+def _open_run(spec: RunSpec, kind: str, experiment: str, run_name: str | None, parent_run_id: str | None,
+              run_id: str | None, tags: Mapping[str, Any] | None, token: str, done: dict[str, Any]) -> str:
+    """One try of open_run; `done` holds what earlier tries did, so that trying again repeats no count or run."""
     from mlflow.entities import Param, RunTag
     from mlflow.exceptions import MlflowException
     from mlflow.utils.validation import MAX_PARAMS_TAGS_PER_BATCH
 
     c = client()
     if run_id:
-        try:
-            run = c.get_run(run_id)
-        except MlflowException:
-            run = None
+        if "run" not in done:  # read once: a retry sets the tags the first try meant to (its resumed count, its time)
+            try:
+                done["run"] = c.get_run(run_id)
+            except MlflowException as e:
+                if _store_locked(e):
+                    raise
+                done["run"] = None
+            done["reopened"] = str(int(time.time() * 1000))
+        run = done["run"]
         if run is not None and run.info.lifecycle_stage != "deleted":
             c.update_run(run_id, status="RUNNING")
-            c.set_tag(run_id, COMPLETE_TAG, "false")  # complete again only when this attempt finishes
-            if LAST_STEP_TAG in run.data.tags:  # set again when this attempt ends (killed: at the step it reached)
-                c.delete_tag(run_id, LAST_STEP_TAG)
+            # complete again only when this attempt finishes
+            reopen = {COMPLETE_TAG: "false", "sage.resumed": str(int(run.data.tags.get("sage.resumed", "0")) + 1)}
             frid = prefect_flow_run_id()
             if frid:
-                c.set_tag(run_id, "prefect.flow_run_id", frid)
-            c.set_tag(run_id, "sage.resumed", str(int(run.data.tags.get("sage.resumed", "0")) + 1))
+                reopen["prefect.flow_run_id"] = frid
             ran = ran_seconds(run)  # up to this reopening; none where an earlier one did not record it
             if ran is not None:
-                c.set_tag(run_id, RAN_BEFORE_TAG, f"{ran:.3f}")
-            c.set_tag(run_id, REOPENED_TAG, str(int(time.time() * 1000)))  # last_active
+                reopen[RAN_BEFORE_TAG] = f"{ran:.3f}"
+            reopen[REOPENED_TAG] = done["reopened"]  # last_active
+            c.log_batch(run_id, tags=[RunTag(k, v) for k, v in reopen.items()])
+            if LAST_STEP_TAG in run.data.tags:  # set again when this attempt ends (killed: at the step it reached)
+                _delete_tag(run_id, LAST_STEP_TAG)
             _respec_run(run, spec, kind)
             return run_id
-        log.warning("MLflow run %s not found in %s; starting a new run", run_id, shown_uri())
+        if not done.get("warned"):
+            log.warning("MLflow run %s not found in %s; starting a new run", run_id, shown_uri())
+            done["warned"] = True
 
     exp_id = get_or_create_experiment(experiment)
-    all_tags = run_tags(spec, kind, tags)
-    if parent_run_id:
-        all_tags["mlflow.parentRunId"] = parent_run_id
-    if run_name:
-        all_tags["mlflow.runName"] = run_name
-    all_tags.setdefault("mlflow.source.git.commit", all_tags["git.commit"])
-    run = c.create_run(exp_id, run_name=run_name, tags=all_tags)
-    rid = run.info.run_id
-    params = [Param(k, v) for k, v in spec_params(spec).items()]
+    if "rid" not in done and done.get("creating"):  # a refused create_run may have committed all the same
+        made = find_runs(experiment, extra_filter=f"tags.`{OPEN_TOKEN_TAG}` = '{token}'")
+        if made:
+            done["rid"] = made[0].info.run_id
+    if "rid" not in done:
+        all_tags = {**run_tags(spec, kind, tags), OPEN_TOKEN_TAG: token}
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        if run_name:
+            all_tags["mlflow.runName"] = run_name
+        all_tags.setdefault("mlflow.source.git.commit", all_tags["git.commit"])
+        done["creating"] = True
+        done["rid"] = c.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id
+    rid = done["rid"]
+    params = [Param(k, v) for k, v in spec_params(spec).items()]  # logged again by a retry: the same values
     for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
         c.log_batch(rid, params=params[i:i + MAX_PARAMS_TAGS_PER_BATCH], tags=[] if i else [RunTag(COMPLETE_TAG,
                                                                                                "false")])
     c.log_dict(rid, spec.model_dump(), "spec.json")
     return rid
+
+
+def _delete_tag(run_id: str, key: str) -> None:
+    """Delete tag `key` of run `run_id`, which a try a locked store refused after it may have deleted already."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client().delete_tag(run_id, key)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
 
 
 def spec_values(run: Run) -> dict[str, str]:
@@ -286,7 +335,7 @@ def _respec_run(run: Run, spec: RunSpec, kind: str) -> list[str]:
         c.log_batch(rid, params=add_params[i:i + MAX_PARAMS_TAGS_PER_BATCH],
                     tags=items[i:i + MAX_PARAMS_TAGS_PER_BATCH])
     for tag in drop:
-        c.delete_tag(rid, tag)
+        _delete_tag(rid, tag)
     c.log_dict(rid, spec.model_dump(), "spec.json")
     log.info("MLflow run %s reopened with another spec (%s -> %s): %s", rid, tags.get("sage.spec_key"),
              spec.key(), "; ".join(changed) or "no field changed")
@@ -785,13 +834,13 @@ def unlogged_path(run_id: str, name: str) -> Path:
 
 
 def retry_locked(write: Callable[[], T], run_id: str, what: str, keep: Callable[[], str] | None = None) -> T:
-    """`write()`, a write of run `run_id`'s results made once (its summary, an eval table, its end), tried again
+    """`write()`, a write of run `run_id` made once (its opening, its summary, an eval table, its end), tried again
     while a locked sqlite store refuses it (_store_locked: another flow or rank writing mlflow.db; MLflow waits its
     20 s busy timeout, then gives up): 4 more tries, 5, 10, 20 and 40 s apart (_lock_waits), each said in one
     warning, MLflow's traceback of the lock left out. Any other error is raised at once, as it was. A lock that
     outlasts the tries raises TrackingError naming the store, with what `keep()` says: where it kept `what` on disk
-    and how it is logged again; without `keep`, the lock's error (the caller keeps what was refused). A write made
-    inside another's retries is tried once: the outer one tries the whole again."""
+    and how it is logged again (or that nothing is lost yet); without `keep`, the lock's error (the caller keeps what
+    was refused). A write made inside another's retries is tried once: the outer one tries the whole again."""
     if getattr(_retrying, "on", False):
         return write()
     waits, start = _lock_waits(), time.monotonic()

@@ -642,6 +642,40 @@ def test_train_whose_store_is_locked_as_it_ends_waits_or_keeps_the_summary(capfd
     assert rc == 0 and run.info.status == "FINISHED" and run.data.metrics["summary/reward"] == 0.5, err
 
 
+def test_train_whose_store_is_locked_as_its_run_opens_waits_or_exits_1_before_training(capfd, tmp_path, monkeypatch):
+    """`sage train --mlflow` opens its run before training: a sqlite store another writer held then failed the
+    command with MLflow's traceback. Opening is tried again: a lock that outlasts the tries is one line naming the
+    store, exit 1, nothing trained and no run made; a lock gone meanwhile opens the run and the command trains."""
+    from helpers import store_held
+
+    from sage_core import tracking
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("SAGE_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("SAGE_MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv(tracking.LOCK_RETRY_ENV, "0.3")
+    calls = _fake_train(monkeypatch)
+    out = tmp_path / "run"
+    argv = ["train", "--set", "max_steps=2", "--output-dir", str(out), "--mlflow"]
+    tracking.get_or_create_experiment()  # the store, made before it is held
+    with store_held(home):
+        rc, _, err = run_cli(capfd, *argv)
+    assert rc == 1 and not calls and "Traceback" not in err, err
+    assert re.fullmatch(
+        rf"sage train: MLflow run \(new, experiment 'sage'\): the store {re.escape(tracking.shown_uri())} stayed "
+        r"locked through 5 tries in \d+ s \(MlflowException: \(sqlite3.OperationalError\) database is locked\): its "
+        r"creation is not logged; nothing is trained yet: run the same command again once the store is free",
+        err.splitlines()[-1]), err
+    assert tracking.find_runs() == [] and not (out / "mlflow_run_id").exists()
+    monkeypatch.setenv(tracking.LOCK_RETRY_ENV, "3")
+    with store_held(home, release_after=1):
+        rc, _, err = run_cli(capfd, *argv)
+    assert rc == 0 and calls, err
+    (run,) = tracking.find_runs()
+    assert (out / "mlflow_run_id").read_text().strip() == run.info.run_id and run.info.status == "FINISHED"
+
+
 def test_train_into_a_folder_another_process_trains_in_exits_2_and_touches_nothing(capsys, tmp_path, monkeypatch):
     """Two `sage train` into one output dir at once both trained the same steps into its checkpoints and tracker
     files, each in an MLflow run of its own (mlflow_run_id named one of them). The second is refused, naming the

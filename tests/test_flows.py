@@ -1145,6 +1145,31 @@ def test_a_study_refuses_what_it_cannot_run_before_making_any_run(prefect_harnes
 
 
 
+def test_a_study_whose_store_is_locked_as_it_opens_waits_for_it(prefect_harness, stubbed_train, monkeypatch, caplog):
+    """The study run's opening tags (its methods and seeds), written once it is opened, met a sqlite store another
+    writer held with MLflow's traceback, failing the study before any variant trained. They are tried again: a lock
+    gone meanwhile takes them and the study goes on."""
+    from helpers import store_held
+
+    monkeypatch.setenv(tracking.LOCK_RETRY_ENV, "3")
+    opened = tracking.resume_or_create_run
+    with contextlib.ExitStack() as held:
+        def then_held(spec, kind, *a, **k):
+            rid = opened(spec, kind, *a, **k)
+            if kind == "study":  # opened: another writer takes the store as its tags are written
+                held.enter_context(store_held(Path(os.environ["SAGE_HOME"]), release_after=1))
+            return rid
+
+        monkeypatch.setattr(tracking, "resume_or_create_run", then_held)
+        with caplog.at_level("WARNING", logger="sage_core.tracking"):
+            rows = hint_study(preset="tiny-cpu", methods=["grpo"], experiment="t-study-locked", max_steps=1, eval_k=2)
+    assert [r["status"] for r in rows] == ["FINISHED"] and stubbed_train["trained"] == 1
+    (parent,) = tracking.find_runs("t-study-locked", kind="study")
+    assert parent.data.tags["sage.methods"] == "grpo" and parent.data.tags["sage.seeds"]
+    assert any(f"MLflow run {parent.info.run_id}: " in m and "its methods and seeds is tried again" in m
+               for m in caplog.messages), caplog.messages
+
+
 def test_studies_of_other_benchmarks_keep_their_own_children(prefect_harness, stubbed_train, monkeypatch):
     """Two studies that differ only in their benchmark files are two study runs, but their children's run folders
     were keyed by label and spec alone: the second study reopened the first's child through the folder (its MLflow

@@ -596,6 +596,88 @@ def test_results_a_lock_outlasting_the_retries_refused_are_kept_saying_where(sto
     assert tracking.client().get_run(rid).data.metrics["eval/after/synthetic/avg_at_4"] == 0.625
 
 
+def test_a_run_opened_while_the_store_is_locked_waits_for_it(store, capfd, caplog, monkeypatch):
+    """Opening a run (its creation, params and opening tags; a reopening) met a sqlite store another writer held with
+    MLflow's traceback, failing the command before it trained. It is tried again as the writes made once are: a lock
+    gone meanwhile opens the run (once: no second run), and reopens it (counted once)."""
+    monkeypatch.setenv(tracking.LOCK_RETRY_ENV, "3")
+    said = r"MLflow run {}: the store {} is locked \(MlflowException: \(sqlite3.OperationalError\) database is " \
+           r"locked\): its {} is tried again in \d.*s"
+    uri = re.escape(tracking.shown_uri())
+    rid = None
+    for what in ("creation", "reopening"):
+        run_id = rid
+        caplog.clear()
+        with caplog.at_level("WARNING"), store_held(store, release_after=1):
+            rid = tracking.open_run(RunSpec(max_steps=2 if run_id else 1), "train", "t-open-locked", run_id=run_id)
+        subject = re.escape(run_id or "(new, experiment 't-open-locked')")
+        assert caplog.messages and all(re.fullmatch(said.format(subject, uri, what), m) for m in caplog.messages), \
+            caplog.messages
+    assert "Traceback" not in capfd.readouterr().err
+    (run,) = tracking.find_runs("t-open-locked")
+    assert run.info.run_id == rid and run.info.status == "RUNNING" and run.data.params["sage.max_steps"] == "1"
+    assert run.data.tags["sage.resumed"] == "1" and run.data.tags["sage.resumed.max_steps"] == "2"
+    assert run.data.tags[tracking.COMPLETE_TAG] == "false"
+
+
+def _committed_then_locked(monkeypatch, owner, name: str) -> list:
+    """`owner.name` does its work, then the first call raises a locked sqlite store's error all the same (a write
+    that committed though its caller was told it was refused). Returns the list of its calls."""
+    import sqlite3
+
+    from mlflow.exceptions import MlflowException
+
+    real, calls = getattr(owner, name), []
+
+    def then_locked(*a, **k):
+        out = real(*a, **k)
+        calls.append(1)
+        if len(calls) == 1:
+            raise MlflowException("(sqlite3.OperationalError) database is locked") from sqlite3.OperationalError(
+                "database is locked")
+        return out
+
+    monkeypatch.setattr(owner, name, then_locked)
+    return calls
+
+
+def test_a_try_of_opening_a_run_takes_up_where_the_refused_one_stopped(store, monkeypatch):
+    """A try of open_run refused after some of its writes went through is not done again from the start: a run it
+    created (committed, though refused) is found, not made twice, and a reopening is counted and timed once."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv(tracking.LOCK_RETRY_ENV, "0.3")
+    created = _committed_then_locked(monkeypatch, MlflowClient, "create_run")
+    rid = tracking.open_run(RunSpec(max_steps=1), "train", "t-open-twice")
+    assert len(created) == 1  # found by its token, not created again
+    (run,) = tracking.find_runs("t-open-twice")
+    assert run.info.run_id == rid and run.data.params["sage.max_steps"] == "1"
+    tracking.client().set_tag(rid, tracking.LAST_STEP_TAG, "1")
+    tracking.finish_run(rid)
+    respecs = _committed_then_locked(monkeypatch, tracking, "_respec_run")  # after the reopening's tags, its delete
+    assert tracking.open_run(RunSpec(max_steps=2), "train", "t-open-twice", run_id=rid) == rid
+    run = tracking.client().get_run(rid)
+    assert len(respecs) == 2 and run.info.status == "RUNNING" and run.data.tags["sage.resumed"] == "1"
+    assert tracking.LAST_STEP_TAG not in run.data.tags and run.data.tags["sage.resumed.max_steps"] == "2"
+    assert len(tracking.find_runs("t-open-twice")) == 1
+
+
+def test_a_run_a_lock_outlasting_the_retries_refused_to_open_is_one_error_naming_the_store(store, capfd,
+                                                                                           monkeypatch):
+    """Still locked after the retries as the run opens: one error naming the store, that nothing is trained yet and
+    what to do, not MLflow's traceback; no run is left made."""
+    monkeypatch.setenv(tracking.LOCK_RETRY_ENV, "0.3")
+    tracking.get_or_create_experiment("t-open-outlasted")
+    with store_held(store), pytest.raises(tracking.TrackingError, match=(
+            r"^MLflow run \(new, experiment 't-open-outlasted'\): the store " + re.escape(tracking.shown_uri())
+            + r" stayed locked through 5 tries in \d+ s \(MlflowException: \(sqlite3.OperationalError\) database "
+            r"is locked\): its creation is not logged; nothing is trained yet: run the same command again once the "
+            r"store is free$")):
+        tracking.open_run(RunSpec(), "train", "t-open-outlasted")
+    assert "Traceback" not in capfd.readouterr().err
+    assert tracking.find_runs("t-open-outlasted") == []
+
+
 def test_only_lock_errors_are_tried_again(store, monkeypatch):
     """Any other error of a write is raised at once, as before: one try, no wait, no warning."""
     from mlflow.exceptions import MlflowException
