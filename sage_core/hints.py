@@ -231,12 +231,21 @@ def _cardinal(words: list[str]) -> int | None:
 # What a sign may stand before: a number in digits or a \\frac (and \u221e, \\infty or the word infinity: "\u2014\u221e"
 # and "minus infinity" are -\\infty)
 _SIGNABLE = r"(?=\.?\d|\\[dt]?frac|\\infty(?![A-Za-z])|\u221e|(?i:infinity)(?!\w))"
+# LaTeX's relations, arrows and binary operators: after one a minus is a sign, as after "=" or "<" ("x\\le-7",
+# "2\\times-7", "x \\geq \u2014 7" and "x \\le minus 7" are -7: _GLUED_SIGN, _EM_MINUS, _OPERAND), where after a symbol
+# that is an operand (\\pi, \\infty, \\alpha) it is a subtraction ("2\\pi-3" is no -3). A command only as a whole word:
+# \\in is not \\infty, \\to not \\top, \\ne not \\nearrow.
+_RELATIONS = ("le", "leq", "ge", "geq", "lt", "gt", "ne", "neq", "approx", "equiv", "sim", "simeq", "to", "mapsto",
+              "in", "leqslant", "geqslant", "colon", "times", "cdot", "div", "pm", "mp")
+_RELATION = r"\\(?:%s)(?![A-Za-z])" % "|".join(_RELATIONS)
+_AFTER_RELATION = "|".join(r"(?<=\\%s)" % c for c in _RELATIONS)  # one lookbehind a width, as re reads them
+_GLUED_SIGN = re.compile(rf"({_RELATION})-")  # "x\le-7": _NUMBER reads no sign after a letter
 # A sign in words: "negative" always; "minus" where it cannot be a subtraction, i.e. not after an operand (a number in
 # digits or in words, a single letter, a LaTeX symbol as \\pi, a closing bracket, a percent sign), as the sign "-" is
 # read only where it cannot be one: "the answer is minus seven" and "x = minus 7" are -7, "ten minus seven", "12 minus
 # 7", "x minus 7" and "x^2 minus 7" are not.
 _SIGN_WORD = re.compile(r"\b(negative|minus)\s+" + _SIGNABLE, re.IGNORECASE)  # before digits (words: below)
-_OPERAND = re.compile(rf"(?:[\d)\]}}%]|(?<![A-Za-z\\])[A-Za-z]|\\[A-Za-z]+"
+_OPERAND = re.compile(rf"(?:[\d)\]}}%]|(?<![A-Za-z\\])[A-Za-z]|(?!{_RELATION})\\[A-Za-z]+"
                       rf"|\b(?:{_CARDINAL}|{'|'.join(_DENOMINATORS)})s?)\s*$", re.IGNORECASE)
 
 
@@ -248,12 +257,13 @@ def _is_sign(text: str, m: re.Match) -> bool:
 
 # An em dash (\u2014) that is a minus: one directly before a number at the start of the hint or after a space, an
 # opening bracket or a comma ("the answer is \u20147", "(\u20143, 5)", "[\u20143, 5]", "(3,\u20147)"), and one after
-# "=" or a comparison sign (<, >, \u2264, \u2265, \u2260) whatever the spaces ("x = \u2014 7", "x<\u20147"): no prose
-# writes those. Elsewhere it is punctuation, which it mostly is ("the sum\u20147 apples\u2014", "add 7 \u2014 5 is
-# left", "pages 3\u20137"), after a letter too ("is\u20147" may be "is 7" set off by a dash): read as a minus
-# everywhere (as _NORMAL reads the en dash), "twenty\u2014two" would be 22 and no longer 20 and 2.
+# "=", a comparison sign (<, >, \u2264, \u2265, \u2260) or a LaTeX relation (\\le, \\times: _RELATIONS) whatever the
+# spaces ("x = \u2014 7", "x<\u20147", "x \\geq \u2014 7"): no prose writes those. Elsewhere it is punctuation, which it
+# mostly is ("the sum\u20147 apples\u2014", "add 7 \u2014 5 is left", "pages 3\u20137"), after a letter too
+# ("is\u20147" may be "is 7" set off by a dash): read as a minus everywhere (as _NORMAL reads the en dash),
+# "twenty\u2014two" would be 22 and no longer 20 and 2.
 _EM_MINUS = re.compile(r"(?:^|(?<=[\s(\[{,]))\u2014" + _SIGNABLE
-                       + r"|(?<=[=<>\u2264\u2265\u2260])\s*\u2014\s*" + _SIGNABLE)
+                       + rf"|(?:(?<=[=<>\u2264\u2265\u2260])|{_AFTER_RELATION})\s*\u2014\s*" + _SIGNABLE)
 
 
 def _signed(hint: str) -> str | None:
@@ -317,13 +327,19 @@ def _scientific_value(m: re.Match) -> Fraction:
 _SPACED_SIGN = re.compile(r"(=\s*)-\s+(?=\.?\d|\\[dt]?frac)")
 
 
+def _joined_signs(text: str) -> str:
+    """`text` with each minus that is a sign next to its number, as a number is read: "x = - 5" is "x = -5"
+    (_SPACED_SIGN), and set off from a relation it is glued to, "x\\le-5" is "x\\le -5" (_GLUED_SIGN)."""
+    return _GLUED_SIGN.sub(r"\1 -", _SPACED_SIGN.sub(r"\1-", text))
+
+
 def _scientific_values(text: str) -> set[Fraction]:
     """The values of the numbers `text` writes in scientific notation (see _SCIENTIFIC): "1.2e1" is 12. Read as
-    written and as _clean typesets it, a spaced sign after = joined to its number (as _quantities joins it): an answer
+    written and as _clean typesets it, a sign joined to its number (_joined_signs, as _quantities joins it): an answer
     in scientific notation was matched as text in that typesetting before it was read by value, and
     "6.02\\,\\times\\,10^{23}", "6.02 $\\times 10^{23}$" and "x = - 6.02e23" still give it away. A number of over
     1000 digits the thin spaces grouped (1\\,000\\,000...) is none there either (_no_huge)."""
-    typeset = _no_huge(_SPACED_SIGN.sub(r"\1-", _clean(text)))
+    typeset = _no_huge(_joined_signs(_clean(text)))
     return {_scientific_value(m) for t in (text, typeset) for m in _SCIENTIFIC.finditer(t)}
 
 
@@ -399,7 +415,7 @@ def _quantities(hint: str) -> str:
     hint's title echoes it (Level 2 hint:, Hint (level 2):, Level 2 (medium):, as the request describes it), and list
     labels (1. Let n be ...)."""
     h = _drop_list_labels(hint)
-    h = _SPACED_SIGN.sub(r"\1-", h)  # x = - 5 is -5: a spaced minus after = is a sign
+    h = _joined_signs(h)  # x = - 5 and x\le-5 are -5: a minus after = or \le is a sign
     h = re.sub(r"\{,\}", ",", h)
     h = re.sub(r"(?<=\d),?\\[,!;: ]\s*(?=\d{3}(?!\d))", ",", h)
     h = re.sub(r"[\^_]\s*(?:\{[^{}]*\}|-?\d+(?:\.\d+)?)", "p", h)  # a letter: x^2-4 stays a subtraction
