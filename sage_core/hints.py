@@ -236,7 +236,9 @@ _SIGNABLE = r"(?=\.?\d|\\[dt]?frac|\\infty(?![A-Za-z])|\u221e|(?i:infinity)(?!\w
 # that is an operand (\\pi, \\infty, \\alpha) it is a subtraction ("2\\pi-3" is no -3). A command only as a whole word:
 # \\in is not \\infty, \\to not \\top, \\ne not \\nearrow.
 _RELATIONS = ("le", "leq", "ge", "geq", "lt", "gt", "ne", "neq", "approx", "equiv", "sim", "simeq", "to", "mapsto",
-              "in", "leqslant", "geqslant", "colon", "times", "cdot", "div", "pm", "mp")
+              "in", "leqslant", "geqslant", "colon", "times", "cdot", "div", "pm", "mp", "ll", "gg", "mid", "gets",
+              "rightarrow", "Rightarrow", "longrightarrow", "Longrightarrow", "leftarrow", "Leftarrow", "implies",
+              "iff")
 _RELATION = r"\\(?:%s)(?![A-Za-z])" % "|".join(_RELATIONS)
 _AFTER_RELATION = "|".join(r"(?<=\\%s)" % c for c in _RELATIONS)  # one lookbehind a width, as re reads them
 _GLUED_SIGN = re.compile(rf"({_RELATION})-")  # "x\le-7": _NUMBER reads no sign after a letter
@@ -323,13 +325,15 @@ def _scientific_value(m: re.Match) -> Fraction:
     return Fraction(m[1]) * Fraction(10) ** int(exponent)
 
 
-# x = - 5, x = - \frac{1}{2}: after =, a spaced minus is a sign, not a subtraction (_quantities, _scientific_values)
-_SPACED_SIGN = re.compile(r"(=\s*)-\s+(?=\.?\d|\\[dt]?frac)")
+# x = - 5, x = - \frac{1}{2}, x < - 5, x \le - 5: after =, a comparison sign or a LaTeX relation (_RELATIONS), a
+# spaced minus is a sign, not a subtraction (_quantities, _scientific_values)
+_SPACED_SIGN = re.compile(rf"((?:[=<>\u2264\u2265\u2260]|{_RELATION})\s*)-\s+(?=\.?\d|\\[dt]?frac)")
 
 
 def _joined_signs(text: str) -> str:
-    """`text` with each minus that is a sign next to its number, as a number is read: "x = - 5" is "x = -5"
-    (_SPACED_SIGN), and set off from a relation it is glued to, "x\\le-5" is "x\\le -5" (_GLUED_SIGN)."""
+    """`text` with each minus that is a sign next to its number, as a number is read: "x = - 5" and "x \\le - 5"
+    are "x = -5" and "x \\le -5" (_SPACED_SIGN), and set off from a relation it is glued to, "x\\le-5" is
+    "x\\le -5" (_GLUED_SIGN)."""
     return _GLUED_SIGN.sub(r"\1 -", _SPACED_SIGN.sub(r"\1-", text))
 
 
