@@ -80,6 +80,10 @@ class RunSpec(BaseModel):
     hint_drafts: bool = Field(True, description="check each greedy hint (HF generate) against the request's last "
                                                 "hint in one forward before decoding it (the same hints, fewer "
                                                 "decode loops)")
+    hint_prefetch: bool = Field(False, description="with hint_drafts, online greedy hints: the next step's hint "
+                                                    "requests decode greedily in this step's rollout pass, as their "
+                                                    "drafts (the same hints, fewer decode loops; for GPUs, not "
+                                                    "measured there yet: on CPU it costs more than it saves)")
     shared_prefix: bool = Field(True, description="compute each distinct prompt once in the loss's forward, for all "
                                                    "rows that share it (same loss and gradients; needs length_buckets)")
     shared_prefill: bool = Field(True, description="HF generate: prefill each distinct prompt once for all rows that "
@@ -220,12 +224,12 @@ def layout_error(spec: RunSpec, world: int) -> str | None:
 RESUMABLE_FIELDS = frozenset({"max_steps", "save_steps", "keep_checkpoints", "rollout_budget", "eval_k",
                               "eval_num_prompts", "eval_temperature", "eval_top_p", "eval_every", "eval_data",
                               "vllm_server_base_url", "vllm_gpu_memory_utilization", "shared_prefix",
-                              "shared_prefill", "hint_drafts"})
+                              "shared_prefill", "hint_drafts", "hint_prefetch"})
 # the same run, trained the same, with or without them: evaluation while training (on whichever set), how many
 # checkpoints stay on disk, how the loss's forward lays out its rows (shared prompts: the same gradients), whether
-# greedy hints are checked against drafts first (the same hints)
+# greedy hints are checked against drafts first, and whether those drafts are written ahead (the same hints)
 NOT_IN_KEY = frozenset({"eval_every", "eval_data", "keep_checkpoints", "shared_prefix", "shared_prefill",
-                        "hint_drafts"})
+                        "hint_drafts", "hint_prefetch"})
 
 
 PATH_FIELDS = ("model", "data", "teacher", "eval_data")  # a local path, a built-in name, a hub id or (teacher) a URL

@@ -114,6 +114,7 @@ def build_config(spec: RunSpec, output_dir: str | Path):
         sage_shared_prefix=spec.shared_prefix,
         sage_shared_prefill=spec.shared_prefill,
         sage_hint_drafts=spec.hint_drafts,
+        sage_hint_prefetch=spec.hint_prefetch,
         sage_measure_activations=spec.measure_activations,
         sage_eval_every=spec.eval_every * spec.updates_per_generation if spec.eval_every else None,
         sage_eval_name=eval_set_name(spec),

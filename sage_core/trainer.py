@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from accelerate.utils import gather, gather_object
 from torch import nn
-from transformers import TrainingArguments
+from transformers import LogitsProcessorList, StoppingCriteriaList, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
@@ -40,7 +40,8 @@ from .curation import Weighted
 from .data import PromptTooLong
 from .generation_cache import generation_cache
 from .hint_drafts import HintDrafts
-from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints, leaks
+from .hint_prefetch import GreedyRows, Lookahead, StopRowsAt
+from .hints import HintContext, HintRequest, HintResult, HintSource, OnlineHints, leaks, request_prompt
 from .memory import measured
 from .models import config_context
 from .packing import prompt_buckets
@@ -102,6 +103,11 @@ class SageConfig(GRPOConfig):
     sage_hint_drafts: bool = field(default=True, metadata={
         "help": "a greedy hint (HF generate) is first checked in one forward against the hint last written for the "
                 "same request: a draft greedy decoding would write again needs no decode loop (the same hints)"})
+    sage_hint_prefetch: bool = field(default=False, metadata={
+        "help": "online greedy hints on HF generate with sage_hint_drafts: the next batch's hint requests are decoded "
+                "greedily in this step's rollout pass, as their drafts (sage_core.hint_prefetch); the next step "
+                "checks them in one forward (the same hints, fewer decode loops). For GPUs, where rows added to a "
+                "pass cost little (not measured there yet); on CPU it costs more than it saves"})
     sage_bucket_overhead: int | None = field(default=None, metadata={
         "help": "a forward's fixed cost in token slots: a bucket is split off only when it saves more padding. None: "
                 "256 on CPU (measured), 2048 on CUDA (an estimate, not measured). With ZeRO-3/FSDP there are no "
@@ -203,6 +209,8 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         self._share_failed = False  # the model's cache cannot serve a shared prompt (sage_shared_prefix)
         self._prefill_failed = False  # nor can generate's (sage_shared_prefill)
         self._hint_drafts: HintDrafts | None = None  # each greedy hint request's last hint (sage_hint_drafts)
+        self._lookahead: Lookahead | None = None  # the epoch's batches, read ahead for the next step (prefetch)
+        self._prefetch_ids: list[list[int]] = []  # hint requests the step's first rollout pass writes drafts for
         self._ctx_limit: int | None | bool = False  # vLLM's context in tokens (None: unknown); False: not read yet
         self._init_no_hint_eval(eval_rows)
 
@@ -224,7 +232,19 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         out the first epoch's prompt order again."""
         if (sampler := getattr(self, "_epoch_sampler", None)) is not None and "epoch" in kwargs:
             sampler.set_epoch(kwargs["epoch"])
+        self._train_dataloader = kwargs.get("train_dataloader")  # the next epoch's first batch (_next_epoch_batch)
         return super()._run_epoch(*args, **kwargs)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """HF's, reading the epoch's batches ahead by one generation (steps_per_generation x num_iterations
+        batches) where hints are prefetched: the next step's rows (Lookahead.next_other)."""
+        if not self._prefetch_wanted():
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._lookahead is None or self._lookahead.source is not epoch_iterator:
+            self._lookahead = Lookahead(epoch_iterator)
+        out = super().get_batch_samples(self._lookahead, num_batches, device)
+        self._lookahead.fill(self.args.steps_per_generation * self.num_iterations)
+        return out
 
     def _generate_and_score_completions(self, inputs):
         self._rows = inputs if self.model.training else None
@@ -344,9 +364,44 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                     + (f" with the {room} new tokens a server must have room for (max_completion_length)"
                        if server else "") + "; set max_prompt_length (longer rows are then left out at load and the "
                     "context is sized for the rest) or raise it")
-        with self._shared_prefill(bool(multimodal_fields) or any(im is not None for im in images or [])):
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+        multimodal = bool(multimodal_fields) or any(im is not None for im in images or [])
+        extra, self._prefetch_ids = ([] if multimodal else self._prefetch_ids), []
+        n = len(prompt_ids)
+        with self._shared_prefill(multimodal), self._greedy_tail(n) if extra else nullcontext():
+            out = super()._generate_single_turn(list(prompt_ids) + extra if extra else prompt_ids, images,
+                                                multimodal_fields, num_generations, has_tool_images)
+        if not extra:
+            return out
+        completion_ids, logprobs = out
+        drafts = self._hint_drafts
+        for ids, hint in zip(extra, completion_ids[n:], strict=True):
+            drafts.remember(ids, hint[:self.args.hint_max_tokens])
+        self._counts["hint_prefetch_rows"] += len(extra)
+        return completion_ids[:n], (logprobs[:n] if logprobs is not None else None)
+
+    @contextmanager
+    def _greedy_tail(self, first: int):
+        """While TRL's HF generate runs: the rows from `first` on (hint requests, sage_core.hint_prefetch) decode
+        greedily and stop at hint_max_tokens. The instance's `generate` is wrapped for the call and restored."""
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        inner, own = model.generate, model.__dict__.get("generate")
+
+        def generate(*args, **kwargs):
+            width = kwargs["input_ids"].size(1)
+            kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []),
+                                                              GreedyRows(first)])
+            stop = StopRowsAt(first, width, self.args.hint_max_tokens)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), stop])
+            return inner(*args, **kwargs)
+
+        model.generate = generate
+        try:
+            yield
+        finally:
+            if own is None:
+                del model.generate
+            else:
+                model.generate = own
 
     @contextmanager
     def _shared_prefill(self, multimodal: bool):
@@ -372,8 +427,8 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
 
         def generate(*args, **kwargs):
             ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-            if args or ids is None or mask is None or set(kwargs) - {"input_ids", "attention_mask",
-                                                                      "generation_config"}:
+            if args or ids is None or mask is None or set(kwargs) - {"input_ids", "attention_mask", "generation_config",
+                                                                      "logits_processor", "stopping_criteria"}:
                 return plain(*args, **kwargs)
             conf = kwargs.get("generation_config") or model.generation_config
             new = conf.max_new_tokens
@@ -452,7 +507,11 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                 levels[pid] = 0  # no usable hint at any level up to the tracked one: roll without one
             first_hint[pid] = text
             first_prompts += [self._prompt(rows[i], text) for i in idx]
-        out = super()._generate(first_prompts)
+        self._prefetch_ids = self._prefetch_requests(rows)
+        try:
+            out = super()._generate(first_prompts)
+        finally:
+            self._prefetch_ids = []
         prompt_ids, completion_ids, _, completions, logprobs, extra, images, tool_images = out
         self._counts["gen_tokens"] += sum(len(c) for c in completion_ids)
         rpf = self._score(rows, first_prompts, completions, completion_ids, extra=(extra_cols := {}))
@@ -494,7 +553,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         # (TRL's own num_tokens and completions/* metrics describe the step's first rollout, not the trained rows)
         for key in ("reroll_groups", "reroll_rows", "hint_rows", "lookahead_unasked_rows", "gen_tokens",
                     "train_tokens", "hint_requests_too_long", "hints_cut", "hints_special_removed", "hint_draft_rows",
-                    "hint_drafts_done"):
+                    "hint_drafts_done", "hint_prefetch_rows"):
             m[f"sage/{key}"].append(float(sum(gather_object([self._counts[key]]))))
         # sequential generation passes (the first rollout, re-roll rounds, hint calls): with vLLM a pass costs about
         # its longest completion whatever its width, so these, not the rows, set a step's rollout time there
@@ -700,19 +759,79 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         self._counts[f"{kind}_rows"] += n
         return ids, comp_ids, comps, lps
 
-    def _greedy_hint_drafts(self) -> HintDrafts | None:
+    def _greedy_hint_drafts(self, sampled: bool = False) -> HintDrafts | None:
         """The hint drafts (sage_core.hint_drafts) when this generate call decodes greedily with nothing changing the
         argmax (no logits processor in TRL's or the model's generation config, no generation_kwargs, no dropout) on
         HF generate with whole parameters; else None (vLLM samples on its own engine; sharded parameters would make
-        the check's forward collective)."""
+        the check's forward collective). `sampled`: the call samples (a rollout pass), and rows that decode greedily
+        in it (GreedyRows) would write greedy decoding's hint."""
         if not self.args.sage_hint_drafts or self.use_vllm or self._sharded:
             return None
-        if self.args.generation_kwargs or _argmax_changed(self.generation_config, self.model.generation_config) \
-                or _dropout_active(self.model):
+        if self.args.generation_kwargs or _argmax_changed(self.generation_config, self.model.generation_config,
+                                                          sampled) or _dropout_active(self.model):
             return None
         if self._hint_drafts is None:
             self._hint_drafts = HintDrafts(self.eos_token_ids, self.processing_class.pad_token_id)
         return self._hint_drafts
+
+    def _prefetch_wanted(self) -> bool:
+        """Whether the run's hints may be prefetched (sage_core.hint_prefetch): online greedy hints of a
+        scheduler that hints, drafts on, HF generate (not its paged batch) with whole parameters. What may change
+        from call to call (the generation config, dropout) is checked at each step (_prefetch_requests)."""
+        a = self.args
+        return bool(a.sage_hint_prefetch and a.sage_hint_drafts and a.hint_temperature == 0
+                    and self.scheduler.uses_hints and isinstance(self.hint_source, OnlineHints)
+                    and not self.use_vllm and not self._sharded and not getattr(a, "use_transformers_paged", False))
+
+    def _last_generation(self) -> bool:
+        """Whether the run stops after the optimizer steps of this step's rollouts."""
+        a = self.args
+        per_generation = max(1, a.steps_per_generation * self.num_iterations // a.gradient_accumulation_steps)
+        return self.state.max_steps > 0 and self.state.global_step + per_generation >= self.state.max_steps
+
+    def _next_epoch_batch(self) -> list[dict]:
+        """The next epoch's first batch on this process, drawn from the train dataloader's batch sampler with the
+        epoch sampler's generator put back after, so that the epoch draws the same order ([] where the loader is not
+        the map-style one TRL builds)."""
+        dl, sampler = getattr(self, "_train_dataloader", None), getattr(self, "_epoch_sampler", None)
+        batches = getattr(dl, "batch_sampler", None)
+        if sampler is None or batches is None or not hasattr(dl, "dataset") or not hasattr(dl, "collate_fn"):
+            return []
+        gen = getattr(sampler, "generator", None)  # (no generator: not shuffled)
+        state, drawn = gen.get_state() if gen is not None else None, sampler._drawn
+        try:
+            first = next(iter(batches), None)
+        finally:
+            if gen is not None:
+                gen.set_state(state)
+            sampler._drawn = drawn
+        batch = dl.collate_fn([dl.dataset[i] for i in first]) if first else []
+        return batch if isinstance(batch, list) else []
+
+    def _prefetch_requests(self, rows: list[dict]) -> list[list[int]]:
+        """The next step's hint requests (its rows read ahead, each prompt at the level the scheduler holds for it
+        now) that fit the context, tokenized: this step's rollout pass writes their drafts. A guess the step's
+        outcome changes (a prompt of both steps whose level moves) costs its row only. Requests with a draft are
+        written again (a draft one update old is more often the hint): which rows join the pass, and so the rollouts'
+        random draws, depend on the scheduler's state and the data order alone, which a checkpoint keeps, not on the
+        drafts, which it does not."""
+        if not self._prefetch_wanted() or self._lookahead is None or self._last_generation():
+            return []
+        nxt = self._lookahead.next_other([r.get("prompt_id") for r in rows])
+        if not nxt and self._lookahead.ended:
+            nxt = self._next_epoch_batch()
+        drafts = self._greedy_hint_drafts(sampled=True) if nxt else None
+        if drafts is None:
+            return []
+        chats, seen = [], set()
+        for r in nxt:
+            if r["prompt_id"] not in seen and (level := self.scheduler.level_before(r["prompt_id"])) > 0:
+                chats.append(request_prompt(_hint_request(r, level)))
+            seen.add(r["prompt_id"])
+        if not chats:
+            return []
+        limit, room = self._request_context(), self.args.hint_max_tokens
+        return [list(p) for p in self._tokenize_prompts(chats)[0] if limit is None or len(p) + room <= limit]
 
     def _max_new_tokens(self) -> int:
         """The current generate length (the hint length while hints are written)."""
@@ -765,8 +884,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         if not self.scheduler.uses_hints:
             return {}
         t0 = time.perf_counter()
-        reqs = [HintRequest(r["prompt_id"], r.get("problem") or _problem_of(r), r.get("solution") or "",
-                            str(r["answer"]), lvl) for r, lvl in asked]
+        reqs = [_hint_request(r, lvl) for r, lvl in asked]
         results = [self._cut_hint(q, res) for q, res in zip(reqs, self.hint_source.get(reqs, self._hint_context()),
                                                            strict=True)]
         self._hint_seconds += time.perf_counter() - t0
@@ -1128,10 +1246,14 @@ _ARGMAX_FIELDS = {"do_sample": (False, None), "num_beams": (1, None), "repetitio
                   "guidance_scale": (None, 1.0), "watermarking_config": (None,), "low_memory": (None, False)}
 
 
-def _argmax_changed(config, model_config) -> bool:
+def _argmax_changed(config, model_config, sampled: bool = False) -> bool:
     """Whether greedy decoding under `config` (TRL's), with the fields it leaves unset taken from `model_config`
-    (the model's), is anything but the argmax of the logits at each step."""
+    (the model's), is anything but the argmax of the logits at each step. `sampled`: whether the logits processors
+    of a sampling call under it (those that run before a custom processor: the sampling warpers come after) change
+    the argmax."""
     for name, neutral in _ARGMAX_FIELDS.items():
+        if sampled and name == "do_sample":
+            continue
         value = getattr(config, name, None)
         if value is None and model_config is not None:
             value = getattr(model_config, name, None)
@@ -1208,6 +1330,11 @@ def _without_special_tokens(tokenizer, text: str) -> str:
     for s in found:
         text = text.replace(s, " ")
     return "\n".join(" ".join(line.split()) for line in text.split("\n")).strip()
+
+
+def _hint_request(row: dict, level: int) -> HintRequest:
+    return HintRequest(row["prompt_id"], row.get("problem") or _problem_of(row), row.get("solution") or "",
+                       str(row["answer"]), level)
 
 
 def _problem_of(row: dict) -> str:

@@ -252,12 +252,13 @@ def test_eval_every_is_the_same_run_with_the_same_key_and_can_change_on_resume(t
     spec = RunSpec(method="sage-light", max_steps=3)
     fields = spec.model_dump()
     for added in ("eval_every", "eval_data", "keep_checkpoints", "shared_prefix", "hint_drafts",
-                  "shared_prefill"):  # as before them
+                  "shared_prefill", "hint_prefetch"):  # as before them
         fields.pop(added)
     before = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     assert spec.key() == before == spec.model_copy(update={"eval_every": 5, "eval_data": "synthetic",
                                                            "keep_checkpoints": None, "shared_prefix": False,
-                                                           "hint_drafts": False, "shared_prefill": False}).key()
+                                                           "hint_drafts": False, "shared_prefill": False,
+                                                           "hint_prefetch": False}).key()
     assert spec.key() != spec.model_copy(update={"max_steps": 4}).key()
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
     (tmp_path / "tracker").mkdir()
