@@ -22,6 +22,7 @@ import os
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields, replace
 
@@ -163,6 +164,8 @@ class Try:
 
 
 class SageGRPOTrainer(NoHintEval, GRPOTrainer):
+    _prefetch_ids: Sequence[list[int]] = ()  # hint requests the first rollout pass writes drafts for (per step)
+
     def __init__(self, *args, scheduler: Scheduler | None = None, hint_source: HintSource | None = None,
                  eval_rows: list[dict] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -210,7 +213,6 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         self._prefill_failed = False  # nor can generate's (sage_shared_prefill)
         self._hint_drafts: HintDrafts | None = None  # each greedy hint request's last hint (sage_hint_drafts)
         self._lookahead: Lookahead | None = None  # the epoch's batches, read ahead for the next step (prefetch)
-        self._prefetch_ids: list[list[int]] = []  # hint requests the step's first rollout pass writes drafts for
         self._ctx_limit: int | None | bool = False  # vLLM's context in tokens (None: unknown); False: not read yet
         self._init_no_hint_eval(eval_rows)
 
@@ -365,7 +367,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                        if server else "") + "; set max_prompt_length (longer rows are then left out at load and the "
                     "context is sized for the rest) or raise it")
         multimodal = bool(multimodal_fields) or any(im is not None for im in images or [])
-        extra, self._prefetch_ids = ([] if multimodal else self._prefetch_ids), []
+        extra, self._prefetch_ids = ([] if multimodal else list(self._prefetch_ids)), []
         n = len(prompt_ids)
         with self._shared_prefill(multimodal), self._greedy_tail(n) if extra else nullcontext():
             out = super()._generate_single_turn(list(prompt_ids) + extra if extra else prompt_ids, images,
@@ -384,7 +386,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         """While TRL's HF generate runs: the rows from `first` on (hint requests, sage_core.hint_prefetch) decode
         greedily and stop at hint_max_tokens. The instance's `generate` is wrapped for the call and restored."""
         model = self.accelerator.unwrap_model(self.model_wrapped)
-        inner, own = model.generate, model.__dict__.get("generate")
+        inner = model.generate
 
         def generate(*args, **kwargs):
             width = kwargs["input_ids"].size(1)
@@ -394,14 +396,8 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
             kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), stop])
             return inner(*args, **kwargs)
 
-        model.generate = generate
-        try:
+        with _generate_replaced(model, generate):
             yield
-        finally:
-            if own is None:
-                del model.generate
-            else:
-                model.generate = own
 
     @contextmanager
     def _shared_prefill(self, multimodal: bool):
@@ -422,7 +418,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                 or setting("cache_implementation") is not None or _dropout_active(model)):
             yield
             return
-        plain, own = model.generate, model.__dict__.get("generate")
+        plain = model.generate
         name = shared_prefix.cache_kwarg(model)
 
         def generate(*args, **kwargs):
@@ -443,14 +439,8 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                 cache = None
             return plain(**kwargs) if cache is None else plain(**kwargs, **{name: cache})
 
-        model.generate = generate
-        try:
+        with _generate_replaced(model, generate):
             yield
-        finally:
-            if own is None:
-                del model.generate
-            else:
-                model.generate = own
 
     def _context_limit(self) -> int | None:
         """vLLM's max_model_len: the configured one, else the engine's (colocate) or the server's (its /v1/models,
@@ -1330,6 +1320,21 @@ def _without_special_tokens(tokenizer, text: str) -> str:
     for s in found:
         text = text.replace(s, " ")
     return "\n".join(" ".join(line.split()) for line in text.split("\n")).strip()
+
+
+@contextmanager
+def _generate_replaced(model: nn.Module, generate):
+    """`model.generate` is `generate` (an instance attribute) for the block, then the model's own again (or the
+    instance attribute it had: wrappers nest)."""
+    own = model.__dict__.get("generate")
+    model.generate = generate
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.generate
+        else:
+            model.generate = own
 
 
 def _hint_request(row: dict, level: int) -> HintRequest:
