@@ -785,7 +785,9 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         the map-style one TRL builds)."""
         dl, sampler = getattr(self, "_train_dataloader", None), getattr(self, "_epoch_sampler", None)
         batches = getattr(dl, "batch_sampler", None)
-        if sampler is None or batches is None or not hasattr(dl, "dataset") or not hasattr(dl, "collate_fn"):
+        data = getattr(dl, "dataset", None)
+        if sampler is None or batches is None or not hasattr(dl, "collate_fn") or not hasattr(data, "__getitem__") \
+                or isinstance(data, torch.utils.data.IterableDataset):
             return []
         gen = getattr(sampler, "generator", None)  # (no generator: not shuffled)
         state, drawn = gen.get_state() if gen is not None else None, sampler._drawn
@@ -795,7 +797,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
             if gen is not None:
                 gen.set_state(state)
             sampler._drawn = drawn
-        batch = dl.collate_fn([dl.dataset[i] for i in first]) if first else []
+        batch = dl.collate_fn([data[i] for i in first]) if first else []
         return batch if isinstance(batch, list) else []
 
     def _prefetch_requests(self, rows: list[dict]) -> list[list[int]]:
