@@ -18,6 +18,8 @@ def runs(tiny_model_dir, tmp_path_factory):
     jobs["buckets"] = two_rank_job(root / "buckets", "sage", bucket_overhead=(0, 10**9))
     # 5 held-out prompts: one rank evaluates 3, the other 2 (and a padding row)
     jobs["eval"] = two_rank_job(root / "eval", "sage-light", {"save_steps": 1, **EVAL})
+    # each rank reads its own next batch ahead and writes its own next step's hint drafts in its rollout pass
+    jobs["prefetch"] = two_rank_job(root / "prefetch", "sage-light", {"hint_prefetch": True, "max_steps": 4})
     _, states = run_jobs_on_two_ranks(list(jobs.values()), timeout=420)
     return {name: (root / name, *st) for name, st in zip(jobs, states, strict=True)}
 
@@ -47,6 +49,16 @@ def test_two_processes_agree(runs, method):
         second = pd.read_parquet(files[1]).set_index("prompt_id")
         levels = r0["scheduler"]["levels"]
         assert all(0 <= levels[p] <= 3 for p in second.index)
+
+
+def test_two_processes_prefetching_hints_agree(runs):
+    """Hint prefetch on two ranks: each rank's rollout pass carries its own next step's requests (different counts
+    on the ranks: no collective counts them), and the ranks still train and track as one."""
+    out, r0, r1 = runs["prefetch"]
+    assert r0["scheduler"] == r1["scheduler"]
+    assert global_metrics(r0["history"]) == global_metrics(r1["history"])
+    assert sum(h.get("sage/hint_prefetch_rows", 0) for h in r0["history"]) > 0
+    assert len(sorted((out / "tracker").glob("step_*.parquet"))) == 4
 
 
 def test_ranks_whose_loss_forwards_differ_in_count_do_not_wait_on_each_other(runs):
