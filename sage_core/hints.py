@@ -113,9 +113,16 @@ _NORMAL = str.maketrans({
     **dict.fromkeys("\u200b\u200c\u200d\u2060\ufeff\u00ad")})
 
 
+# LaTeX's spaces that are only space (\quad, \qquad, "\ ", \enspace, \hspace{1em}, ...), read as a space: "x =\quad-3"
+# is "x = -3", where the minus after the command's letters was no sign. The thin spaces \, \; \: \! stay: they
+# also group digits (1\,234), which the guard reads as such (_quantities).
+_LATEX_SPACE = re.compile(r"\\(?:(?:q?quad|enspace|enskip|thinspace|medspace|thickspace)(?![A-Za-z])"
+                          r"|hspace\*?\s*\{[^{}]*\}| )")
+
+
 def _normal(s: str) -> str:
-    """`s` in the characters the leak guard reads (see _NORMAL)."""
-    return s.translate(_NORMAL)
+    """`s` in the characters the leak guard reads (see _NORMAL), LaTeX's plain spaces as spaces (_LATEX_SPACE)."""
+    return _LATEX_SPACE.sub(" ", s.translate(_NORMAL))
 
 
 # A number in a hint or an answer: \frac{a}{b} (also \dfrac, \tfrac; a one-digit argument may go without braces, as
