@@ -1,18 +1,19 @@
-"""Hint prefetch: the next step's new greedy hint requests ride in this step's rollout pass, as drafts.
+"""Hint prefetch: the next step's greedy hint requests ride in this step's rollout pass, as drafts.
 
 SAGE-LIGHT knows each prompt's hint level before the prompt's step (the level its history set), and the data loader
-has the next batch ready. A hint request of that batch with no draft yet (a prompt's first visit at its level: most
+has the next batch ready. A hint request of that batch with no draft (a prompt's first visit at its level: most
 requests of a first epoch) would need a decode loop of its own at the next step, before that step's rollout can
-start: one sequential forward per hint token. Here it is appended to this step's rollout batch instead: its row
-decodes greedily (every logit but the argmax masked, before the rollout's temperature, top-k and top-p, which then
-have one token to keep) and stops at hint_max_tokens. What it writes is the greedy hint of the policy one update
-before the step that asks for it: a draft (sage_core.hint_drafts), which that step checks in one forward with its
-own policy. The hint is that policy's greedy hint either way; where the update did not change it, no decode loop
-runs for it.
+start: one sequential forward per hint token. Here each request of the next batch (drafted or not, so that the rows
+that join a pass depend on what a checkpoint keeps, not on the drafts) is appended to this step's rollout batch: its
+row decodes greedily (every logit but the argmax masked, before the rollout's temperature, top-k and top-p, which
+then have one token to keep) and stops at hint_max_tokens. What it writes is the greedy hint of the policy one
+update before the step that asks for it: a draft (sage_core.hint_drafts), which that step checks in one forward
+with its own policy. The hint is that policy's greedy hint either way; where the update did not change it, no
+decode loop runs for it.
 
-Where a decode step costs the same for a few rows more (a GPU), the rows cost about nothing and the next step's
-hint loop is gone. Where rows cost in proportion (CPU), each added row costs a rollout's worth of row-steps, about
-what the loop it saves cost.
+Where a decode step costs the same for a few rows more (a GPU), the rows should cost little and the next step's hint
+loop is gone (not measured on a GPU yet). Where rows cost in proportion (CPU), the added rows, which also widen the
+batch's padding to the requests' length, cost more than the loop they save: off by default.
 """
 
 from __future__ import annotations
