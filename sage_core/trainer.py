@@ -773,12 +773,6 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
                     and self.scheduler.uses_hints and isinstance(self.hint_source, OnlineHints)
                     and not self.use_vllm and not self._sharded and not getattr(a, "use_transformers_paged", False))
 
-    def _last_generation(self) -> bool:
-        """Whether the run stops after the optimizer steps of this step's rollouts."""
-        a = self.args
-        per_generation = max(1, a.steps_per_generation * self.num_iterations // a.gradient_accumulation_steps)
-        return self.state.max_steps > 0 and self.state.global_step + per_generation >= self.state.max_steps
-
     def _next_epoch_batch(self) -> list[dict]:
         """The next epoch's first batch on this process, drawn from the train dataloader's batch sampler with the
         epoch sampler's generator put back after, so that the epoch draws the same order ([] where the loader is not
@@ -804,10 +798,11 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         """The next step's hint requests (its rows read ahead, each prompt at the level the scheduler holds for it
         now) that fit the context, tokenized: this step's rollout pass writes their drafts. A guess the step's
         outcome changes (a prompt of both steps whose level moves) costs its row only. Requests with a draft are
-        written again (a draft one update old is more often the hint): which rows join the pass, and so the rollouts'
-        random draws, depend on the scheduler's state and the data order alone, which a checkpoint keeps, not on the
-        drafts, which it does not."""
-        if not self._prefetch_wanted() or self._lookahead is None or self._last_generation():
+        written again (a draft one update old is more often the hint), and the run's last step writes the next
+        one's as any other: which rows join the pass, and so the rollouts' random draws, depend on the scheduler's
+        state and the data order alone, which a checkpoint keeps, not on the drafts, which it does not, nor on
+        max_steps, which a resumed run may raise (it then rolls out what one run to the new max_steps would)."""
+        if not self._prefetch_wanted() or self._lookahead is None:  # (the run's last step too: see _prefetch_requests)
             return []
         nxt = self._lookahead.next_other([r.get("prompt_id") for r in rows])
         if not nxt and self._lookahead.ended:

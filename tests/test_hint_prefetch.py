@@ -74,14 +74,15 @@ def test_lookahead_gives_batches_in_order_and_finds_the_next_other_batch():
         next(la)
 
 
-def _run(tmp_path, prefetch: bool, monkeypatch=None, record: dict | None = None):
+def _run(tmp_path, prefetch: bool, monkeypatch=None, record: dict | None = None, steps: int = 6, name: str = ""):
     import sage_core.train as train_module
     from sage_core.presets import preset
 
-    out = tmp_path / f"prefetch-{prefetch}"
-    spec = preset("tiny-cpu", method="sage-light", num_prompts=16, max_steps=6, hint_prefetch=prefetch)
+    out = tmp_path / (name or f"prefetch-{prefetch}")
+    spec = preset("tiny-cpu", method="sage-light", num_prompts=16, max_steps=steps, save_steps=3,
+                  hint_prefetch=prefetch)
     if record is None:
-        res = train_module.train(spec, out, resume=False)
+        res = train_module.train(spec, out, resume=bool(name))
     else:
         build = train_module.build_trainer
 
@@ -94,6 +95,7 @@ def _run(tmp_path, prefetch: bool, monkeypatch=None, record: dict | None = None)
             m.setattr(train_module, "build_trainer", build_and_record)
             res = train_module.train(spec, out, resume=False)
     rows = pd.concat([pd.read_parquet(f) for f in sorted(glob.glob(str(out / "tracker" / "*.parquet")))])
+    rows = rows[["step", "prompt_id", "level", "hint_l1", "hint_l2", "hint_l3", "rewards"]].astype(str)
     steps = [h for h in res.log_history if "sage/frac_collapsed" in h]
     return rows, res.summary, sum(h.get("sage/hint_prefetch_rows", 0) for h in steps)
 
@@ -113,8 +115,6 @@ def _record(trainer, record):
 
     def prefetch_(rows):
         out = prefetch(rows)
-        if trainer._last_generation():
-            return out
         la = trainer._lookahead
         nxt = la.next_other([r["prompt_id"] for r in rows]) if la is not None else []
         if not nxt and la is not None and la.ended:
@@ -151,10 +151,12 @@ def test_a_sage_light_run_prefetches_the_next_steps_hints_and_trains_the_same_pr
     rows, summary, prefetched = _run(tmp_path, True, monkeypatch, rec)
     plain_rows, plain, none = _run(tmp_path, False)
     steps = rec["steps"]
-    # the rows read ahead were the next step's, within an epoch and across its end (16 prompts, 8 a step)
-    assert set(rec["guesses"]) == set(range(1, len(steps)))  # every step but the last guessed
+    # the rows read ahead were the next step's, within an epoch and across its end (16 prompts, 8 a step); the last
+    # step reads the next too (the step a run resumed to more steps takes)
+    assert set(rec["guesses"]) == set(range(1, len(steps) + 1))
     for step, guess in rec["guesses"].items():
-        assert guess == steps[step], step
+        if step < len(steps):
+            assert guess == steps[step], step
     # ... and reading them changed no step's prompts (the sampler's generator is put back after the peek)
     assert rows.groupby("step")["prompt_id"].apply(sorted).tolist() == \
         plain_rows.groupby("step")["prompt_id"].apply(sorted).tolist()
@@ -167,6 +169,11 @@ def test_a_sage_light_run_prefetches_the_next_steps_hints_and_trains_the_same_pr
     decoded = {d for ds in rec["decoded"] for d in ds}
     assert not asked_after & decoded
     assert summary["hint_passes"] < plain["hint_passes"]
+    # a run stopped at step 3 and resumed to 6 rolls out what the straight run did (which rows join a pass depends
+    # on what a checkpoint keeps, not on the drafts it does not keep, nor on max_steps)
+    _run(tmp_path, True, steps=3, name="resumed")
+    resumed, _, _ = _run(tmp_path, True, steps=6, name="resumed")
+    pd.testing.assert_frame_equal(resumed.reset_index(drop=True), rows.reset_index(drop=True))
 
 
 def test_prefetch_is_off_where_its_drafts_would_not_be_the_hints(tiny_model_dir, tmp_path):
