@@ -802,7 +802,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         one's as any other: which rows join the pass, and so the rollouts' random draws, depend on the scheduler's
         state and the data order alone, which a checkpoint keeps, not on the drafts, which it does not, nor on
         max_steps, which a resumed run may raise (it then rolls out what one run to the new max_steps would)."""
-        if not self._prefetch_wanted() or self._lookahead is None:  # (the run's last step too: see _prefetch_requests)
+        if not self._prefetch_wanted() or self._lookahead is None:
             return []
         nxt = self._lookahead.next_other([r.get("prompt_id") for r in rows])
         if not nxt and self._lookahead.ended:
