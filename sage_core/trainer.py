@@ -783,16 +783,16 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         if sampler is None or batches is None or not hasattr(dl, "collate_fn") or not hasattr(data, "__getitem__") \
                 or isinstance(data, torch.utils.data.IterableDataset):
             return []
-        gen = getattr(sampler, "generator", None)  # (no generator: not shuffled)
-        state, drawn = gen.get_state() if gen is not None else None, sampler._drawn
-        try:
+        with sampler.kept():
             first = next(iter(batches), None)
-        finally:
-            if gen is not None:
-                gen.set_state(state)
-            sampler._drawn = drawn
         batch = dl.collate_fn([data[i] for i in first]) if first else []
         return batch if isinstance(batch, list) else []
+
+    def _next_rows(self, rows: list[dict]) -> list[dict]:
+        """The next step's rows (this step's are `rows`): the next other batch read ahead, or at the epoch's end the
+        next epoch's first; [] where neither is known."""
+        nxt = self._lookahead.next_other([r.get("prompt_id") for r in rows])
+        return nxt if nxt or not self._lookahead.ended else self._next_epoch_batch()
 
     def _prefetch_requests(self, rows: list[dict]) -> list[list[int]]:
         """The next step's hint requests (its rows read ahead, each prompt at the level the scheduler holds for it
@@ -804,9 +804,7 @@ class SageGRPOTrainer(NoHintEval, GRPOTrainer):
         max_steps, which a resumed run may raise (it then rolls out what one run to the new max_steps would)."""
         if not self._prefetch_wanted() or self._lookahead is None:
             return []
-        nxt = self._lookahead.next_other([r.get("prompt_id") for r in rows])
-        if not nxt and self._lookahead.ended:
-            nxt = self._next_epoch_batch()
+        nxt = self._next_rows(rows)
         drafts = self._greedy_hint_drafts(sampled=True) if nxt else None
         if drafts is None:
             return []
@@ -1170,6 +1168,19 @@ class EpochSampler(RepeatSampler):
     def __iter__(self):
         self._drawn += 1
         yield from super().__iter__()
+
+    @contextmanager
+    def kept(self):
+        """Draws made in the block are taken back after it: the generator and the count of permutations drawn are
+        as before (a look at the next epoch's order, which that epoch then draws again)."""
+        gen = getattr(self, "generator", None)  # (no generator: not shuffled)
+        state, drawn = gen.get_state() if gen is not None else None, self._drawn
+        try:
+            yield
+        finally:
+            if gen is not None:
+                gen.set_state(state)
+            self._drawn = drawn
 
 
 def _no_hint_log() -> dict:

@@ -106,20 +106,20 @@ def _record(trainer, record):
     from test_hint_drafts import _greedy
 
     sage_generate, prefetch, roll = trainer._sage_generate, trainer._prefetch_requests, trainer._roll
-    single_turn = trainer._generate_single_turn
+    single_turn, next_rows = trainer._generate_single_turn, trainer._next_rows
     record.update(steps=[], guesses={}, drafts=[], decoded=[], prefetched=[])
 
     def sage_generate_(prompts, rows):
         record["steps"].append([r["prompt_id"] for r in rows])
         return sage_generate(prompts, rows)
 
+    def next_rows_(rows):
+        nxt = next_rows(rows)
+        record["guesses"][len(record["steps"])] = [r["prompt_id"] for r in nxt]
+        return nxt
+
     def prefetch_(rows):
         out = prefetch(rows)
-        la = trainer._lookahead
-        nxt = la.next_other([r["prompt_id"] for r in rows]) if la is not None else []
-        if not nxt and la is not None and la.ended:
-            nxt = trainer._next_epoch_batch()
-        record["guesses"][len(record["steps"])] = [r["prompt_id"] for r in nxt]
         record["prefetched"].append([tuple(p) for p in out])
         return out
 
@@ -141,7 +141,7 @@ def _record(trainer, record):
                                       if c is None or not c[1]])
         return roll(prompts, kind)
 
-    trainer._sage_generate, trainer._prefetch_requests = sage_generate_, prefetch_
+    trainer._sage_generate, trainer._prefetch_requests, trainer._next_rows = sage_generate_, prefetch_, next_rows_
     trainer._generate_single_turn, trainer._roll = single_turn_, roll_
 
 
