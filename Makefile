@@ -113,16 +113,22 @@ vllm_tests = if [ -f $(VLLM_VENV)/.installed ]; then \
 	  $(VLLM_VENV)/bin/python -m pytest $(1) -q tests/test_vllm.py tests/test_vllm_eval.py; \
 	else echo "SKIPPED: the vLLM CPU tests (tests/test_vllm*.py): no room on the disk for $(VLLM_VENV)" >&2; fi
 
-# The suite, then the vLLM tests in their venv. The suite builds the tiny model in the background where it is not in
-# the cache yet (about 3 minutes) and runs the tests that need it last (tests/conftest.py); the vLLM tests reuse it.
+# The suite on TEST_WORKERS pytest-xdist workers (0: in this process), then the vLLM tests in their venv. The suite
+# builds the tiny model in the background where it is not in the cache yet (about 3 minutes) and runs the tests that
+# need it last (tests/conftest.py); the vLLM tests reuse it. On 2 cores two workers took 581 s where one process took
+# 758 s: while one worker's test waits on a server, a browser or a subprocess, the other computes.
+TEST_WORKERS ?= 2
+SUITE = $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope -q --ignore=tests/test_vllm.py \
+  --ignore=tests/test_vllm_eval.py
+
 test: test-setup
 	@set -e; export SAGE_TEST_CACHE="$(TEST_CACHE)"; \
-	$(BIN)/python -m pytest -m "not slow" -q --ignore=tests/test_vllm.py --ignore=tests/test_vllm_eval.py; \
+	$(SUITE) -m "not slow"; \
 	$(call vllm_tests,-m "not slow")
 
 test-all: test-setup
 	@set -e; export SAGE_TEST_CACHE="$(TEST_CACHE)"; \
-	$(BIN)/python -m pytest -q --ignore=tests/test_vllm.py --ignore=tests/test_vllm_eval.py; \
+	$(SUITE); \
 	$(call vllm_tests,)
 
 # pyflakes, syntax errors, sorted imports and the 120-column lines the code keeps to (pyproject's [tool.ruff])

@@ -1461,7 +1461,8 @@ def test_sage_train_with_an_endpoint_teacher_nobody_serves_exits_2_before_the_po
     assert f"sage train: teacher endpoint {url} gives no answer to GET {url}/models" in capsys.readouterr().err
 
 
-def test_a_finished_run_with_an_endpoint_teacher_run_again_does_not_need_the_endpoint(monkeypatch, tmp_path):
+def test_a_finished_run_with_an_endpoint_teacher_run_again_does_not_need_the_endpoint(monkeypatch, tmp_path,
+                                                                                    tiny_model_dir):
     """A run that is done trains nothing when run again (a requeued job, a flow re-run after its evaluation crashed):
     its teacher server, shut down since, is not asked whether it is up (that would wait SAGE_TEACHER_STARTUP_WAIT,
     then fail a run with nothing to do)."""
