@@ -115,7 +115,7 @@ vllm_tests = if [ -f $(VLLM_VENV)/.installed ]; then \
 
 # The suite on TEST_WORKERS pytest-xdist workers (0: in this process), then the vLLM tests in their venv. The suite
 # builds the tiny model in the background where it is not in the cache yet (about 3 minutes) and runs the tests that
-# need it last (tests/conftest.py); the vLLM tests reuse it. On 2 cores two workers took 581 s where one process took
+# need it last (tests/conftest.py); the vLLM tests reuse it. On 2 cores two workers took 528 s where one process took
 # 758 s: while one worker's test waits on a server, a browser or a subprocess, the other computes.
 TEST_WORKERS ?= 2
 SUITE = $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope -q --ignore=tests/test_vllm.py \
