@@ -35,6 +35,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
@@ -193,7 +194,7 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     if not _WORKER and os.environ.get(_GROUPS_FILE):
-        os.unlink(os.environ.pop(_GROUPS_FILE))
+        Path(os.environ.pop(_GROUPS_FILE)).unlink(missing_ok=True)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own; optional: xdist is not in every venv
